@@ -1,0 +1,306 @@
+"""`make_dataset`: the `tf.data.Dataset` to hand `model.fit` under a distribution.
+
+The tutorial's pipeline (`x / 255.0`, `from_tensor_slices`, `shuffle(10000)`,
+`experimental_distribute_dataset`) turns uint8 images into float64 (8x the memory), copies
+them into the dataset and again into the distributed dataset. Here the arrays stay in their
+stored dtype; each epoch shuffles *indices* (a permutation keyed on `(seed, epoch)`), gathers
+one batch at a time and only then runs `preprocess` (for example the cast to float), so the
+memory cost is one copy of the stored data.
+
+The permutation is keyed on the epoch, not on a random generator's state, so a run that
+resumes at epoch `e` sees exactly the order an uninterrupted run saw at epoch `e`, and a
+`DatasetCursor` can start an epoch part-way through. `SyncedCheckpoint(dataset=...)` uses
+that to resume mid-epoch without training any batch twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from keras_mirror_kit.batching import validate_positive_int
+
+__all__ = ["DatasetCursor", "cursor_of", "make_dataset", "rescale"]
+
+logger = logging.getLogger("keras_mirror_kit")
+
+_EPOCH, _SKIP = 0, 1
+
+
+class DatasetCursor:
+    """Where the next iteration of a `make_dataset` dataset starts: epoch and batch.
+
+    Each new iterator over the dataset reads the cursor once, when its first batch is
+    requested: it uses the permutation of `epoch`, starts after `skip_batches` batches, and
+    then moves the cursor to the next epoch with no skip. Set it before an epoch begins to
+    choose the order and start of that epoch.
+
+    The dataset's length stays `num_batches` (Keras needs a known epoch length), so an
+    iteration that skipped `k` batches and is read to its end wraps around to the epoch's
+    first `k` batches. `SyncedCheckpoint` ends a resumed epoch after its remaining batches,
+    so nothing is trained twice.
+
+    Args:
+        num_batches: Batches in one full epoch.
+
+    Example:
+
+    ```python
+    cursor = kmk.cursor_of(train_ds)
+    cursor.set(epoch=3, skip_batches=10)   # next epoch: order of epoch 3, from batch 10
+    ```
+    """
+
+    def __init__(self, num_batches: int) -> None:
+        self.num_batches = num_batches
+        # A lookup table, not a tf.Variable: a table is not mirrored when the dataset is
+        # made inside a strategy's scope, and it is read on the host by the input pipeline.
+        with tf.device("/cpu:0"):
+            self._table = tf.lookup.experimental.MutableHashTable(
+                key_dtype=tf.int64, value_dtype=tf.int64, default_value=0
+            )
+
+    def set(self, epoch: int, skip_batches: int = 0) -> None:
+        """Sets the epoch whose order the next iteration uses, and batches to skip.
+
+        Args:
+            epoch: Epoch number (keys the shuffle permutation); >= 0.
+            skip_batches: Batches of that epoch already consumed; 0 <= skip < num_batches.
+
+        Returns:
+            None.
+
+        Raises:
+            ValueError: On a negative epoch or a skip outside the epoch.
+
+        Example:
+
+        ```python
+        cursor.set(epoch=2)
+        ```
+        """
+        if epoch < 0:
+            raise ValueError(f"`epoch` must be >= 0. Received: epoch={epoch}")
+        if not 0 <= skip_batches < max(1, self.num_batches):
+            raise ValueError(
+                f"`skip_batches` must be in [0, {self.num_batches}). "
+                f"Received: skip_batches={skip_batches}"
+            )
+        self._table.insert(
+            tf.constant([_EPOCH, _SKIP], tf.int64),
+            tf.constant([int(epoch), int(skip_batches)], tf.int64),
+        )
+
+    def get(self) -> tuple[int, int]:
+        """Returns `(epoch, skip_batches)` that the next iteration will use.
+
+        Returns:
+            A pair of ints.
+
+        Example:
+
+        ```python
+        epoch, skip = cursor.get()
+        ```
+        """
+        values = self._table.lookup(tf.constant([_EPOCH, _SKIP], tf.int64)).numpy()
+        return int(values[0]), int(values[1])
+
+    def _take(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """Reads the cursor and advances it to the next epoch (inside the input pipeline)."""
+        keys = tf.constant([_EPOCH, _SKIP], tf.int64)
+        values = self._table.lookup(keys)
+        with tf.control_dependencies([values]):
+            update = self._table.insert(keys, tf.stack([values[0] + 1, tf.constant(0, tf.int64)]))
+        with tf.control_dependencies([update]):
+            return tf.identity(values[0]), tf.identity(values[1])
+
+
+def cursor_of(dataset: Any) -> DatasetCursor | None:
+    """Returns the `DatasetCursor` of a dataset built by `make_dataset`, else None.
+
+    Args:
+        dataset: Any object.
+
+    Returns:
+        The cursor, or None when `dataset` was not built by `make_dataset`.
+
+    Example:
+
+    ```python
+    assert kmk.cursor_of(kmk.make_dataset(x, y, 32)) is not None
+    ```
+    """
+    return getattr(dataset, "_kmk_cursor", None)
+
+
+def rescale(scale: float = 1.0 / 255.0, dtype: str = "float32") -> Callable[[Any], Any]:
+    """Returns a per-batch `preprocess` function: cast to `dtype`, multiply by `scale`.
+
+    Args:
+        scale: Multiplier applied after the cast (default maps uint8 pixels to [0, 1]).
+        dtype: Floating dtype to cast to.
+
+    Returns:
+        A function `x -> cast(x, dtype) * scale`.
+
+    Example:
+
+    ```python
+    ds = kmk.make_dataset(x_train, y_train, 128, preprocess=kmk.rescale())
+    ```
+    """
+
+    def preprocess(x: Any) -> Any:
+        return tf.cast(x, dtype) * tf.constant(scale, dtype)
+
+    return preprocess
+
+
+def _active_replicas() -> int:
+    if tf.distribute.has_strategy():
+        return int(tf.distribute.get_strategy().num_replicas_in_sync)
+    return 1
+
+
+def make_dataset(
+    x: Any,
+    y: Any = None,
+    batch_size: int | None = None,
+    *,
+    shuffle: bool = True,
+    seed: int | None = None,
+    preprocess: Callable[[Any], Any] | None = None,
+    drop_remainder: bool | None = None,
+    num_replicas: int | None = None,
+    prefetch: bool = True,
+) -> tf.data.Dataset:
+    """Builds a memory-frugal, resumable `tf.data.Dataset` of batches for `model.fit`.
+
+    Hand the result to `model.fit` as it is: Keras distributes it over the replicas (do not
+    call `experimental_distribute_dataset` yourself; that copies the data again).
+
+    Args:
+        x: Features: a NumPy array (or a tuple/dict of arrays with the same first dim).
+        y: Labels with the same first dimension, or None.
+        batch_size: The GLOBAL batch size (e.g. `dist.global_batch_size`).
+        shuffle: Shuffle the order every epoch (a permutation keyed on seed and epoch).
+        seed: Shuffle seed; with a seed, the order of every epoch is reproducible. A random
+            one is drawn when None.
+        preprocess: Function applied to each batch of `x` after batching (for example
+            `kmk.rescale()` to cast uint8 images to float in [0, 1]).
+        drop_remainder: Drop the last partial batch. Defaults to `shuffle` (dropped for
+            training, kept for evaluation).
+        num_replicas: Replicas the batches are split over, used to check that a kept
+            partial batch leaves no replica empty; defaults to the active strategy's.
+        prefetch: Add an autotuned `prefetch` at the end.
+
+    Returns:
+        A `tf.data.Dataset` of `(x_batch, y_batch)` (or `x_batch`) with known cardinality,
+        auto-shard policy DATA, and a `DatasetCursor` (see `cursor_of`).
+
+    Raises:
+        TypeError: On a missing or non-integer batch size or a non-callable `preprocess`.
+        ValueError: On an empty dataset, arrays of different lengths, a non-positive batch
+            size, a batch larger than the data when dropping the remainder, or a partial
+            final batch that would leave a replica empty.
+
+    Example:
+
+    ```python
+    dist = build_model.distribution
+    train_ds = kmk.make_dataset(x_train, y_train, dist.global_batch_size, seed=0,
+                                preprocess=kmk.rescale())
+    model.fit(train_ds, epochs=10)
+    ```
+    """
+    if batch_size is None:
+        raise TypeError(
+            "make_dataset() needs `batch_size` (the global batch size, e.g. "
+            "`dist.global_batch_size`). Received: batch_size=None"
+        )
+    batch_size = validate_positive_int("batch_size", batch_size)
+    if preprocess is not None and not callable(preprocess):
+        raise TypeError(f"`preprocess` must be callable. Received: preprocess={preprocess!r}")
+    if seed is not None:
+        seed = validate_positive_int("seed", seed + 1) - 1 if isinstance(seed, int) else seed
+    replicas = (
+        _active_replicas()
+        if num_replicas is None
+        else validate_positive_int("num_replicas", num_replicas)
+    )
+    drop = shuffle if drop_remainder is None else bool(drop_remainder)
+
+    arrays = (x,) if y is None else (x, y)
+    lengths = {len(leaf) for part in arrays for leaf in tf.nest.flatten(part)}
+    if len(lengths) != 1:
+        raise ValueError(
+            "All arrays given to make_dataset() must have the same first dimension. "
+            f"Received lengths: {sorted(lengths)}"
+        )
+    n = lengths.pop()
+    if n == 0:
+        raise ValueError("make_dataset() received empty arrays. Received: len(x)=0")
+    if drop and batch_size > n:
+        raise ValueError(
+            f"`batch_size` ({batch_size}) is larger than the data ({n} samples), so with "
+            "drop_remainder=True every batch would be dropped. Use a smaller batch size or "
+            f"drop_remainder=False. Received: batch_size={batch_size}"
+        )
+    remainder = n % batch_size
+    if not drop and remainder and remainder % replicas:
+        raise ValueError(
+            f"The last batch would hold {remainder} samples, which does not split evenly over "
+            f"{replicas} replicas (Keras cannot train or evaluate on an uneven or empty "
+            "per-replica batch). Pass drop_remainder=True, or use a batch size that leaves a "
+            f"remainder divisible by {replicas}. Received: batch_size={batch_size}, len(x)={n}"
+        )
+    num_batches = n // batch_size if drop else math.ceil(n / batch_size)
+    if seed is None:
+        seed = int(np.random.default_rng().integers(0, 2**31 - 1))
+
+    with tf.device("/cpu:0"):
+        tensors = tf.nest.map_structure(tf.convert_to_tensor, arrays)
+    cursor = DatasetCursor(num_batches)
+    seed_t = tf.constant(seed, tf.int64)
+
+    def next_batch(state: Any, step: tf.Tensor) -> Any:
+        # The state lives per iterator: on its first batch, read the cursor and compute
+        # that epoch's order; later batches reuse it.
+        def fresh() -> Any:
+            epoch, skip = cursor._take()  # noqa: SLF001
+            order = tf.range(n, dtype=tf.int64)
+            if shuffle:
+                order = tf.random.experimental.stateless_shuffle(
+                    order, seed=tf.stack([seed_t, epoch])
+                )
+            return epoch, skip, order
+
+        epoch, skip, order = tf.cond(state[0] < 0, fresh, lambda: state)
+        position = (step + skip) % num_batches
+        start = position * batch_size
+        index = order[start : tf.minimum(start + batch_size, n)]
+        return (epoch, skip, order), index
+
+    def gather(index: tf.Tensor) -> Any:
+        picked = tf.nest.map_structure(lambda t: tf.gather(t, index), tensors)
+        features = picked[0]
+        if preprocess is not None:
+            features = preprocess(features)
+        return features if y is None else (features, picked[1])
+
+    initial = (tf.constant(-1, tf.int64), tf.constant(0, tf.int64), tf.zeros([n], tf.int64))
+    dataset = tf.data.Dataset.range(num_batches).scan(initial, next_batch)
+    dataset = dataset.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    if prefetch:
+        dataset = dataset.prefetch(tf.data.AUTOTUNE)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    dataset = dataset.with_options(options)
+    dataset._kmk_cursor = cursor  # noqa: SLF001
+    return dataset

@@ -1,0 +1,269 @@
+"""Device discovery, simulated replicas and all-reduce choice.
+
+Everything here runs before or while the strategy is created. `simulate_replicas(n)` splits
+the CPU (or the first GPU) into `n` logical devices so multi-replica code runs on a laptop or
+in CI; it must run before TensorFlow initialises its devices, which is also when the
+`KMK_SIMULATE_REPLICAS` environment variable is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from keras_mirror_kit.batching import validate_positive_int
+
+__all__ = [
+    "CROSS_DEVICE_OPS",
+    "SIMULATE_REPLICAS_ENV",
+    "configure_from_environment",
+    "make_cross_device_ops",
+    "nccl_available",
+    "replica_devices",
+    "simulate_replicas",
+]
+
+logger = logging.getLogger("keras_mirror_kit")
+
+SIMULATE_REPLICAS_ENV = "KMK_SIMULATE_REPLICAS"
+CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
+DEFAULT_GPU_MEMORY_LIMIT_MB = 2048
+
+
+def simulate_replicas(
+    n: int, *, device_type: str | None = None, memory_limit_mb: int | None = None
+) -> None:
+    """Splits one physical device into `n` logical devices, one replica each.
+
+    Call it at the top of a script, before TensorFlow creates any tensor, model or
+    strategy. Then `distributed()` finds `n` devices and builds `n` replicas. On a host with
+    a GPU the first GPU is split (each logical GPU gets `memory_limit_mb`); otherwise the
+    CPU is. Calling it again with the same `n` is a no-op.
+
+    Args:
+        n: Number of logical devices (replicas) to create; a positive integer.
+        device_type: `"CPU"` or `"GPU"`; defaults to `"GPU"` when a GPU is visible.
+        memory_limit_mb: Memory per logical GPU in MiB (GPU only; default 2048).
+
+    Returns:
+        None.
+
+    Raises:
+        TypeError: If `n` is not an integer.
+        ValueError: If `n` is not positive or `device_type` is unknown or absent.
+        RuntimeError: If TensorFlow has already initialised its devices with another
+            layout; the message says how to call it earlier.
+
+    Example:
+
+    ```python
+    import keras_mirror_kit as kmk
+    kmk.simulate_replicas(2)          # first thing in the script
+    ```
+    """
+    n = validate_positive_int("n", n)
+    gpus = tf.config.list_physical_devices("GPU")
+    if device_type is None:
+        device_type = "GPU" if gpus else "CPU"
+    device_type = str(device_type).upper()
+    if device_type not in ("CPU", "GPU"):
+        raise ValueError(
+            f"`device_type` must be 'CPU' or 'GPU'. Received: device_type={device_type!r}"
+        )
+    physical = tf.config.list_physical_devices(device_type)
+    if not physical:
+        raise ValueError(
+            f"simulate_replicas: no physical {device_type} is visible to TensorFlow. "
+            f"Received: device_type={device_type!r}"
+        )
+    if device_type == "GPU":
+        limit = memory_limit_mb or DEFAULT_GPU_MEMORY_LIMIT_MB
+        configs = [tf.config.LogicalDeviceConfiguration(memory_limit=limit)] * n
+    else:
+        configs = [tf.config.LogicalDeviceConfiguration()] * n
+    existing = tf.config.get_logical_device_configuration(physical[0])
+    if existing is not None and len(existing) == n:
+        return
+    try:
+        tf.config.set_logical_device_configuration(physical[0], configs)
+    except RuntimeError as err:
+        have = len(tf.config.list_logical_devices(device_type))
+        if have == n:
+            return
+        raise RuntimeError(
+            f"simulate_replicas({n}) was called after TensorFlow initialised its devices "
+            f"(it now has {have} logical {device_type} device(s)). Call "
+            f"kmk.simulate_replicas({n}) at the very top of your script, before any "
+            f"TensorFlow tensor, model or strategy is created, or set the environment "
+            f"variable {SIMULATE_REPLICAS_ENV}={n} before starting Python."
+        ) from err
+    logger.info("keras-mirror-kit: simulating %d %s replicas", n, device_type)
+
+
+def configure_from_environment() -> None:
+    """Applies `KMK_SIMULATE_REPLICAS=n` from the environment, if set.
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: If the variable is not a positive integer.
+        RuntimeError: As `simulate_replicas`.
+
+    Example:
+
+    ```python
+    os.environ["KMK_SIMULATE_REPLICAS"] = "2"
+    configure_from_environment()
+    ```
+    """
+    raw = os.environ.get(SIMULATE_REPLICAS_ENV, "").strip()
+    if not raw:
+        return
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"The environment variable {SIMULATE_REPLICAS_ENV} must be a positive integer. "
+            f"Received: {SIMULATE_REPLICAS_ENV}={raw!r}"
+        ) from None
+    if n <= 0:
+        raise ValueError(
+            f"The environment variable {SIMULATE_REPLICAS_ENV} must be a positive integer. "
+            f"Received: {SIMULATE_REPLICAS_ENV}={raw!r}"
+        )
+    simulate_replicas(n)
+
+
+def _canonical(name: str) -> tuple[str, int]:
+    spec = tf.DeviceSpec.from_string(name)
+    if spec.device_type is None:
+        raise ValueError(f"Not a device name (expected e.g. '/gpu:0'). Received: {name!r}")
+    return spec.device_type.upper(), int(spec.device_index or 0)
+
+
+def replica_devices(devices: Sequence[str] | None = None) -> list[str]:
+    """Returns the devices to put one replica on each.
+
+    By default all logical GPUs; with no GPU, all logical CPUs (one, unless several were
+    configured with `simulate_replicas`).
+
+    Args:
+        devices: Explicit device names such as `["/gpu:0", "/gpu:1"]`, or None.
+
+    Returns:
+        Full device names, e.g. `"/job:localhost/replica:0/task:0/device:GPU:0"`.
+
+    Raises:
+        TypeError: If `devices` is a string or not a sequence of strings.
+        ValueError: If it is empty, repeats a device, or names a device that does not exist.
+
+    Example:
+
+    ```python
+    replica_devices()             # every GPU, or the CPU(s)
+    replica_devices(["/gpu:1"])   # just one
+    ```
+    """
+    gpus = tf.config.list_logical_devices("GPU")
+    if devices is None:
+        chosen = gpus or tf.config.list_logical_devices("CPU")
+        return [d.name for d in chosen]
+    if isinstance(devices, str) or not isinstance(devices, Sequence):
+        raise TypeError(
+            "`devices` must be a list of device names such as ['/gpu:0', '/gpu:1']. "
+            f"Received: devices={devices!r}"
+        )
+    if not devices:
+        raise ValueError("`devices` must name at least one device. Received: devices=[]")
+    available = {_canonical(d.name): d.name for d in tf.config.list_logical_devices()}
+    names: list[str] = []
+    seen: set[tuple[str, int]] = set()
+    for item in devices:
+        if not isinstance(item, str):
+            raise TypeError(
+                f"`devices` must contain device-name strings. Received: devices={devices!r}"
+            )
+        key = _canonical(item)
+        if key in seen:
+            raise ValueError(f"`devices` names {item!r} twice. Received: devices={devices!r}")
+        seen.add(key)
+        if key not in available:
+            raise ValueError(
+                f"Device {item!r} does not exist on this host. Available devices: "
+                f"{sorted(available.values())}. Received: devices={list(devices)!r}"
+            )
+        names.append(available[key])
+    return names
+
+
+def nccl_available() -> bool:
+    """Whether NCCL all-reduce can be used: a CUDA (or ROCm) build of TensorFlow on Linux.
+
+    Returns:
+        True when NCCL (RCCL) ships with this TensorFlow build.
+
+    Example:
+
+    ```python
+    ops = "nccl" if nccl_available() else "hierarchical_copy"
+    ```
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    info = tf.sysconfig.get_build_info()
+    return bool(info.get("is_cuda_build") or info.get("is_rocm_build"))
+
+
+def make_cross_device_ops(
+    name: str | tf.distribute.CrossDeviceOps, devices: Sequence[str]
+) -> tuple[tf.distribute.CrossDeviceOps | None, str]:
+    """Builds the all-reduce implementation for a set of replica devices.
+
+    `"auto"` uses NCCL across GPUs when NCCL is usable, hierarchical copy across GPUs
+    otherwise, and reduction to one device on CPUs.
+
+    Args:
+        name: One of `CROSS_DEVICE_OPS`, or a `tf.distribute.CrossDeviceOps` instance.
+        devices: The replica devices (full names).
+
+    Returns:
+        `(cross_device_ops, name)`; `cross_device_ops` is None for a single device.
+
+    Raises:
+        ValueError: For an unknown name, or `"nccl"` where NCCL cannot run.
+
+    Example:
+
+    ```python
+    ops, chosen = make_cross_device_ops("auto", replica_devices())
+    ```
+    """
+    if isinstance(name, tf.distribute.CrossDeviceOps):
+        return name, type(name).__name__
+    if name not in CROSS_DEVICE_OPS:
+        raise ValueError(
+            f"Unknown `cross_device_ops`. Expected one of {', '.join(map(repr, CROSS_DEVICE_OPS))}"
+            f" or a tf.distribute.CrossDeviceOps. Received: cross_device_ops={name!r}"
+        )
+    all_gpu = all(_canonical(d)[0] == "GPU" for d in devices)
+    if name == "nccl" and not (all_gpu and nccl_available()):
+        raise ValueError(
+            "`cross_device_ops='nccl'` needs GPU replicas and a CUDA build of TensorFlow on "
+            f"Linux; here the replicas are {list(devices)}. Use cross_device_ops='auto'. "
+            f"Received: cross_device_ops={name!r}"
+        )
+    if name == "auto":
+        if all_gpu and len(devices) > 1:
+            name = "nccl" if nccl_available() else "hierarchical_copy"
+        else:
+            name = "reduction_to_one_device"
+    if name == "nccl":
+        return tf.distribute.NcclAllReduce(), name
+    if name == "hierarchical_copy":
+        return tf.distribute.HierarchicalCopyAllReduce(), name
+    return tf.distribute.ReductionToOneDevice(), name

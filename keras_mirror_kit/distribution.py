@@ -1,0 +1,317 @@
+"""The `Distribution`: what `distributed()` chose, and how to reach it.
+
+A `Distribution` is the kit's read-only description of one data-parallel setup: the
+`tf.distribute.Strategy`, its devices and replica count, the per-replica and global batch
+sizes, and the learning-rate scaling rule. `distributed()` creates it; everything above the
+core (callbacks, integrations, the command line) reads it from here, either through
+`current()` while a factory or `with` block runs, or through `distribution_of(model)` for a
+model the kit built.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import tensorflow as tf
+
+from keras_mirror_kit.batching import validate_positive_int
+from keras_mirror_kit.lr_scaling import DEFAULT_RULE, scale_learning_rate, validate_rule
+
+__all__ = ["Distribution", "current", "distribution_of"]
+
+
+class Distribution:
+    """A data-parallel setup chosen by `distributed()`.
+
+    Read it inside a decorated factory with `kmk.current()`, from the decorated function's
+    `.distribution` attribute, or from the value bound by `with kmk.distributed(...) as dist`.
+
+    Args:
+        strategy: The `tf.distribute.Strategy` the model is built under.
+        per_replica_batch_size: Samples each replica processes per step.
+        cross_device_ops: Name of the all-reduce implementation in use (for example
+            `"nccl"`, `"hierarchical_copy"`, `"reduction_to_one_device"` or `"collective"`).
+        lr_scaling_rule: Default rule for `scale_learning_rate` (`"linear"`, `"sqrt"` or
+            `"none"`).
+
+    Raises:
+        ValueError: If `per_replica_batch_size` is not a positive integer or the rule is
+            unknown.
+
+    Example:
+
+    ```python
+    @kmk.distributed(per_replica_batch_size=64)
+    def build_model():
+        dist = kmk.current()
+        lr = dist.scale_learning_rate(1e-3, base_batch_size=64)
+        ...
+    ```
+    """
+
+    def __init__(
+        self,
+        strategy: tf.distribute.Strategy,
+        per_replica_batch_size: int,
+        cross_device_ops: str,
+        lr_scaling_rule: str = DEFAULT_RULE,
+    ) -> None:
+        validate_positive_int("per_replica_batch_size", per_replica_batch_size)
+        self._strategy = strategy
+        self._per_replica_batch_size = per_replica_batch_size
+        self._cross_device_ops = cross_device_ops
+        self._lr_scaling_rule = validate_rule(lr_scaling_rule)
+        self.learning_rate_scaling: dict[str, Any] | None = None
+        _ALL_DISTRIBUTIONS.add(self)
+
+    @property
+    def strategy(self) -> tf.distribute.Strategy:
+        """The `tf.distribute.Strategy` models are built under."""
+        return self._strategy
+
+    @property
+    def strategy_name(self) -> str:
+        """The strategy's class name, e.g. `"MirroredStrategy"`."""
+        return type(self._strategy).__name__
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas in sync across all workers (`strategy.num_replicas_in_sync`)."""
+        return int(self._strategy.num_replicas_in_sync)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The devices of this process that hold a replica."""
+        return tuple(self._strategy.extended.worker_devices)
+
+    @property
+    def num_workers(self) -> int:
+        """How many processes (workers) take part; 1 on a single host."""
+        return max(1, self.num_replicas // max(1, len(self.devices)))
+
+    @property
+    def cross_device_ops(self) -> str:
+        """Name of the all-reduce implementation."""
+        return self._cross_device_ops
+
+    @property
+    def per_replica_batch_size(self) -> int:
+        """Samples per replica per step."""
+        return self._per_replica_batch_size
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per step over all replicas: per-replica batch x replicas."""
+        return self._per_replica_batch_size * self.num_replicas
+
+    @property
+    def lr_scaling_rule(self) -> str:
+        """The default learning-rate scaling rule."""
+        return self._lr_scaling_rule
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process should write checkpoints, logs and other side effects.
+
+        Decided by the strategy (`strategy.extended.should_checkpoint`), which is right in
+        every cluster shape, including one with an explicit `chief` job.
+        """
+        return bool(getattr(self._strategy.extended, "should_checkpoint", True))
+
+    def scale_learning_rate(
+        self,
+        base_learning_rate: float,
+        base_batch_size: int,
+        rule: str | None = None,
+    ) -> float:
+        """Scales a learning rate tuned at `base_batch_size` to this global batch size.
+
+        The values are recorded in `learning_rate_scaling` so that integrations (W&B) can
+        report them.
+
+        Args:
+            base_learning_rate: Learning rate that works at `base_batch_size`.
+            base_batch_size: Batch size the base learning rate was tuned for.
+            rule: `"linear"`, `"sqrt"` or `"none"`; defaults to this distribution's
+                `lr_scaling_rule`.
+
+        Returns:
+            The scaled learning rate as a float.
+
+        Raises:
+            ValueError: On a non-positive learning rate or batch size, or an unknown rule.
+
+        Example:
+
+        ```python
+        lr = kmk.current().scale_learning_rate(1e-3, base_batch_size=64)
+        ```
+        """
+        rule = self._lr_scaling_rule if rule is None else rule
+        scaled = scale_learning_rate(
+            base_learning_rate, base_batch_size, self.global_batch_size, rule=rule
+        )
+        self.learning_rate_scaling = {
+            "base_learning_rate": float(base_learning_rate),
+            "base_batch_size": int(base_batch_size),
+            "scaled_learning_rate": scaled,
+            "rule": rule,
+        }
+        return scaled
+
+    def describe(self) -> str:
+        """A one-line summary: strategy, devices, replicas, all-reduce and global batch.
+
+        Returns:
+            The summary string that `distributed()` logs at INFO level.
+
+        Example:
+
+        ```python
+        logging.info(dist.describe())
+        ```
+        """
+        return (
+            f"keras-mirror-kit: {self.strategy_name} on {', '.join(self.devices)} "
+            f"({self.num_replicas} replica{'s' if self.num_replicas != 1 else ''}"
+            f"{f' over {self.num_workers} workers' if self.num_workers > 1 else ''}), "
+            f"all-reduce={self.cross_device_ops}, global batch {self.global_batch_size} "
+            f"= {self.per_replica_batch_size} per replica x {self.num_replicas}"
+        )
+
+    def as_config(self) -> dict[str, Any]:
+        """The distribution as a flat, JSON-friendly dict (for run configs and logs).
+
+        Returns:
+            A dict of strategy, devices, replicas, workers, batch sizes and learning rate.
+
+        Example:
+
+        ```python
+        wandb.config.update(dist.as_config())
+        ```
+        """
+        config: dict[str, Any] = {
+            "strategy": self.strategy_name,
+            "devices": list(self.devices),
+            "num_replicas": self.num_replicas,
+            "num_workers": self.num_workers,
+            "cross_device_ops": self.cross_device_ops,
+            "per_replica_batch_size": self.per_replica_batch_size,
+            "global_batch_size": self.global_batch_size,
+            "lr_scaling_rule": self.lr_scaling_rule,
+        }
+        if self.learning_rate_scaling:
+            config.update(self.learning_rate_scaling)
+        return config
+
+    def __repr__(self) -> str:
+        return (
+            f"Distribution(strategy={self.strategy_name}, devices={list(self.devices)}, "
+            f"num_replicas={self.num_replicas}, per_replica_batch_size="
+            f"{self.per_replica_batch_size}, global_batch_size={self.global_batch_size})"
+        )
+
+
+_ALL_DISTRIBUTIONS: weakref.WeakSet[Distribution] = weakref.WeakSet()
+_local = threading.local()
+_MODEL_DISTRIBUTIONS: weakref.WeakKeyDictionary[Any, Distribution] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _stack() -> list[Distribution]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+@contextmanager
+def activate(distribution: Distribution) -> Iterator[Distribution]:
+    """Makes `distribution` the one `current()` returns, inside its strategy's scope."""
+    if tf.distribute.has_strategy() and tf.distribute.get_strategy() is not distribution.strategy:
+        raise RuntimeError(
+            "A distributed() factory or block was entered inside the scope of another "
+            "tf.distribute strategy; TensorFlow cannot mix strategies. Build each model "
+            "under one distributed() at a time. "
+            f"Received: active={tf.distribute.get_strategy()!r}, "
+            f"new={distribution.strategy!r}"
+        )
+    stack = _stack()
+    stack.append(distribution)
+    try:
+        with distribution.strategy.scope():
+            yield distribution
+    finally:
+        stack.pop()
+
+
+def current() -> Distribution:
+    """Returns the `Distribution` active in this thread.
+
+    Like `tf.distribute.get_strategy()`, but for the kit: inside a factory decorated with
+    `@kmk.distributed(...)` or inside `with kmk.distributed(...)`.
+
+    Returns:
+        The innermost active `Distribution`.
+
+    Raises:
+        RuntimeError: When called outside any `distributed()` factory or block.
+
+    Example:
+
+    ```python
+    @kmk.distributed(per_replica_batch_size=64)
+    def build_model():
+        lr = kmk.current().scale_learning_rate(1e-3, base_batch_size=64)
+        ...
+    ```
+    """
+    stack = _stack()
+    if not stack:
+        raise RuntimeError(
+            "kmk.current() was called outside a distributed() context. Call it inside a "
+            "factory decorated with @kmk.distributed(...) or inside a "
+            "`with kmk.distributed(...) as dist:` block (or use the decorated factory's "
+            "`.distribution` attribute)."
+        )
+    return stack[-1]
+
+
+def register_model(model: Any, distribution: Distribution) -> None:
+    """Remembers which `Distribution` built `model` (for callbacks)."""
+    _MODEL_DISTRIBUTIONS[model] = distribution
+
+
+def distribution_of(model: Any) -> Distribution | None:
+    """Returns the `Distribution` that built `model`, or None for a model the kit did not build.
+
+    Args:
+        model: A `keras.Model`.
+
+    Returns:
+        The `Distribution` registered by `distributed()`, or None.
+
+    Example:
+
+    ```python
+    dist = kmk.distribution_of(model)
+    if dist is not None:
+        batch = dist.global_batch_size
+    ```
+    """
+    try:
+        found = _MODEL_DISTRIBUTIONS.get(model)
+    except TypeError:  # unhashable or not weak-referenceable
+        found = None
+    if found is not None:
+        return found
+    # Built inside `with kmk.distributed(...)`: match the strategy Keras captured.
+    strategy = getattr(model, "_distribute_strategy", None)
+    if strategy is None:
+        return None
+    return next((d for d in list(_ALL_DISTRIBUTIONS) if d.strategy is strategy), None)

@@ -1,0 +1,74 @@
+"""Device selection and simulated replicas, each layout in a fresh process."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.subproc import last_json, run_python
+
+REPORT = """
+import json, keras_mirror_kit as kmk
+with kmk.distributed(per_replica_batch_size=8) as dist:
+    pass
+print("RESULT " + json.dumps({"replicas": dist.num_replicas, "devices": list(dist.devices),
+                              "ops": dist.cross_device_ops, "global": dist.global_batch_size}))
+"""
+
+
+def test_no_gpu_and_nothing_configured_gives_one_cpu_replica():
+    result = last_json(run_python(REPORT))
+    assert result["replicas"] == 1 and result["global"] == 8
+    assert result["devices"][0].endswith("CPU:0")
+
+
+def test_environment_variable_simulates_replicas():
+    result = last_json(run_python(REPORT, replicas=3))
+    assert result["replicas"] == 3 and result["global"] == 24
+    assert [d[-5:] for d in result["devices"]] == ["CPU:0", "CPU:1", "CPU:2"]
+    assert result["ops"] == "reduction_to_one_device"
+
+
+def test_simulate_replicas_before_tensorflow_starts_and_is_idempotent():
+    code = "import keras_mirror_kit as kmk\nkmk.simulate_replicas(2)\nkmk.simulate_replicas(2)\n"
+    code += REPORT
+    assert last_json(run_python(code))["replicas"] == 2
+
+
+@pytest.mark.parametrize("how", ["call", "env"])
+def test_simulating_after_tensorflow_started_is_a_clear_error(how):
+    code = "import tensorflow as tf, keras_mirror_kit as kmk\n"
+    code += "tf.constant(1.0) + 1  # initialises the runtime with 1 CPU\n"
+    code += "kmk.simulate_replicas(2)\n" if how == "call" else REPORT
+    proc = run_python(code, check=False, replicas=2 if how == "env" else None)
+    assert proc.returncode != 0
+    assert "RuntimeError: simulate_replicas(2) was called after TensorFlow initialised" in (
+        proc.stderr
+    )
+    assert "KMK_SIMULATE_REPLICAS=2" in proc.stderr
+
+
+@pytest.mark.parametrize("value", ["two", "0", "-1"])
+def test_bad_environment_variable_is_a_clear_error(value):
+    proc = run_python(REPORT, check=False, env={"KMK_SIMULATE_REPLICAS": value})
+    assert proc.returncode != 0
+    assert f"KMK_SIMULATE_REPLICAS={value!r}" in proc.stderr
+
+
+def test_bad_simulate_replicas_arguments():
+    code = """
+    import keras_mirror_kit as kmk
+    errors = []
+    cases = ({"n": 0}, {"n": "2"}, {"n": 2, "device_type": "TPU"},
+             {"n": 2, "device_type": "GPU"})
+    for kwargs in cases:
+        try:
+            kmk.simulate_replicas(**kwargs)
+        except (TypeError, ValueError) as err:
+            errors.append(type(err).__name__ + ": " + str(err))
+    import json; print("RESULT " + json.dumps(errors))
+    """
+    errors = last_json(run_python(code))
+    assert len(errors) == 4
+    assert "n=0" in errors[0] and errors[1].startswith("TypeError") and "n='2'" in errors[1]
+    assert "device_type='TPU'" in errors[2]
+    assert "no physical GPU" in errors[3]
