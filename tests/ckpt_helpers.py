@@ -1,0 +1,72 @@
+"""A deterministic little training job shared by the checkpoint tests."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+import keras_mirror_kit as kmk
+
+N, BATCH = 96, 16  # 6 batches per epoch (global batch 16)
+
+
+def data(n: int = N) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    y = ((x[:, 0] > 0).astype("int32") + (x[:, 1] > 0)).astype("int32")
+    return x, y
+
+
+def build(optimizer: str = "adam", devices=None, batch_norm: bool = False, seed: int = 3):
+    """A kit-built model with fixed initial weights."""
+
+    @kmk.distributed(global_batch_size=BATCH, devices=devices)
+    def factory():
+        keras.utils.set_random_seed(seed)
+        layers = [keras.Input((6,)), keras.layers.Dense(8, activation="relu")]
+        if batch_norm:
+            layers.append(keras.layers.BatchNormalization())
+        layers.append(keras.layers.Dense(3))
+        model = keras.Sequential(layers)
+        opt = keras.optimizers.Adam(0.01) if optimizer == "adam" else keras.optimizers.SGD(0.1)
+        model.compile(
+            optimizer=opt,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    return factory()
+
+
+def dataset(seed: int = 11):
+    x, y = data()
+    return kmk.make_dataset(x, y, BATCH, seed=seed)
+
+
+class StopAt(keras.callbacks.Callback):
+    """Simulates a crash: raises at (epoch, batch)."""
+
+    def __init__(self, epoch: int, batch: int) -> None:
+        super().__init__()
+        self.at = (epoch, batch)
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise KeyboardInterrupt("simulated crash")
+
+
+class CountBatches(keras.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+
+def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))

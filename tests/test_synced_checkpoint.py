@@ -1,0 +1,300 @@
+"""SyncedCheckpoint in a 2-replica process: resume, retention, corruption, divergence."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_mirror_kit as kmk
+from keras_mirror_kit.callbacks.synced_checkpoint import ReplicaDivergenceError, SyncedCheckpoint
+from keras_mirror_kit.checkpoint_store import CheckpointError, CorruptCheckpointWarning
+from tests.ckpt_helpers import CountBatches, StopAt, build, data, dataset, max_diff
+
+EPOCHS = 4  # 6 batches each, 24 optimizer steps
+
+
+def plain_dataset():
+    """A dataset the kit did not build: fixed order every epoch."""
+    return tf.data.Dataset.from_tensor_slices(data()).batch(16)
+
+
+def uninterrupted(optimizer, tmp_path, use_dataset=True, **kwargs):
+    model, ds = build(optimizer), dataset() if use_dataset else plain_dataset()
+    model.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[
+        SyncedCheckpoint(tmp_path / "reference", dataset=ds if use_dataset else None, **kwargs)])
+    assert int(model.optimizer.iterations.numpy()) == EPOCHS * 6
+    return model.get_weights()
+
+
+def crash_then_resume(optimizer, directory, crash_at, use_dataset=True, **kwargs):
+    model, ds = build(optimizer), dataset() if use_dataset else plain_dataset()
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[
+            SyncedCheckpoint(directory, dataset=ds if use_dataset else None, **kwargs),
+            StopAt(*crash_at)])
+    # A new process would build a fresh model: different initial weights on purpose.
+    fresh, ds = build(optimizer, seed=99), dataset() if use_dataset else plain_dataset()
+    counter = CountBatches()
+    checkpoint = SyncedCheckpoint(directory, dataset=ds if use_dataset else None, **kwargs)
+    fresh.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[checkpoint, counter])
+    return fresh, checkpoint, counter
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_resume_at_an_epoch_boundary_matches_an_uninterrupted_run(optimizer, tmp_path):
+    reference = uninterrupted(optimizer, tmp_path)
+    model, checkpoint, counter = crash_then_resume(optimizer, tmp_path / "run", (2, 2))
+    assert checkpoint.last_restored.meta["epoch"] == 2
+    assert checkpoint.last_restored.meta["step"] == 0
+    assert counter.batches == 12  # epochs 2 and 3 only
+    assert int(model.optimizer.iterations.numpy()) == 24
+    assert max_diff(reference, model.get_weights()) <= 1e-6
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_integer_save_freq_resumes_mid_epoch_without_training_a_batch_twice(
+    optimizer, tmp_path
+):
+    reference = uninterrupted(optimizer, tmp_path)
+    # Crash after batch 4 of epoch 2 (step 17): the newest checkpoint is step 16, batch 4.
+    model, checkpoint, counter = crash_then_resume(
+        optimizer, tmp_path / "run", (2, 4), save_freq=4
+    )
+    assert (checkpoint.last_restored.meta["epoch"], checkpoint.last_restored.meta["step"]) == (
+        2,
+        4,
+    )
+    assert counter.batches == 2 + 6  # the rest of epoch 2, then epoch 3
+    assert int(model.optimizer.iterations.numpy()) == 24  # not one step more
+    assert max_diff(reference, model.get_weights()) <= 1e-6
+
+
+def test_without_a_kit_dataset_mid_epoch_checkpoints_fall_back_to_the_epoch_boundary(
+    tmp_path,
+):
+    """Documented behaviour: resume from the newest epoch-end checkpoint, no batch twice."""
+    reference = uninterrupted("sgd", tmp_path, use_dataset=False)
+    model, checkpoint, counter = crash_then_resume(
+        "sgd", tmp_path / "run", (2, 4), save_freq=4, use_dataset=False
+    )
+    entries = json.loads((tmp_path / "run" / "manifest.json").read_text())["checkpoints"]
+    assert any(not e["epoch_end"] for e in entries)  # a newer mid-epoch one exists
+    assert checkpoint.last_restored.meta["epoch_end"] is True
+    assert checkpoint.last_restored.meta["epoch"] == 2
+    assert counter.batches == 12
+    assert int(model.optimizer.iterations.numpy()) == 24
+    assert max_diff(reference, model.get_weights()) <= 1e-6
+
+
+def test_a_later_fit_on_the_same_model_behaves_normally(tmp_path):
+    model, ds = build("sgd"), dataset()
+    checkpoint = SyncedCheckpoint(tmp_path / "c", dataset=ds)
+    model.fit(ds, epochs=2, verbose=0, callbacks=[checkpoint])
+    assert model._initial_epoch is None  # noqa: SLF001  (Keras' BackupAndRestore leaves it)
+    counter = CountBatches()
+    history = model.fit(ds, epochs=2, verbose=0, callbacks=[checkpoint, counter])
+    assert counter.batches == 12 and len(history.history["loss"]) == 2
+    assert int(model.optimizer.iterations.numpy()) == 24
+
+
+def test_a_finished_run_restarted_trains_nothing_more(tmp_path):
+    reference = uninterrupted("sgd", tmp_path)
+    fresh, ds = build("sgd", seed=5), dataset()
+    counter = CountBatches()
+    fresh.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[
+        SyncedCheckpoint(tmp_path / "reference", dataset=ds), counter])
+    assert counter.batches == 0
+    assert max_diff(reference, fresh.get_weights()) == 0.0
+
+
+def test_restores_optimizer_state_not_just_weights(tmp_path):
+    model, ds = build("adam"), dataset()
+    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    saved = [v.numpy().copy() for v in model.optimizer.variables]
+    fresh = build("adam", seed=42)
+    checkpoint = SyncedCheckpoint(tmp_path, dataset=ds)
+    checkpoint.set_model(fresh)
+    checkpoint.on_train_begin()
+    restored = [v.numpy() for v in fresh.optimizer.variables]
+    assert int(fresh.optimizer.iterations.numpy()) == 6
+    assert len(saved) == len(restored) > 4
+    for a, b in zip(saved, restored):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_restores_into_a_different_replica_count(tmp_path):
+    model, ds = build("adam"), dataset()
+    model.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    single = build("adam", devices=["/cpu:0"], seed=8)
+    assert single.distribute_strategy.num_replicas_in_sync == 1
+    checkpoint = SyncedCheckpoint(tmp_path)
+    counter = CountBatches()
+    single.fit(dataset(), epochs=3, verbose=0, callbacks=[checkpoint, counter])
+    assert checkpoint.last_restored.meta["num_replicas"] == 2
+    assert counter.batches == 6 and int(single.optimizer.iterations.numpy()) == 18
+
+
+def test_keeps_the_newest_and_the_newest_epoch_boundary(tmp_path):
+    model, ds = build("sgd"), dataset()
+    model.fit(ds, epochs=2, verbose=0,
+              callbacks=[SyncedCheckpoint(tmp_path, save_freq=1, keep=2, dataset=ds)])
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    names = [e["file"] for e in manifest["checkpoints"]]
+    on_disk = sorted(n for n in os.listdir(tmp_path) if n.endswith(".npz"))
+    assert names == on_disk and len(names) == 2
+    assert manifest["latest"] == names[-1]
+    assert manifest["checkpoints"][-1]["epoch_end"] is True
+    # keep=1 with a crash mid-epoch: the newest (mid-epoch) one and the newest
+    # epoch-boundary one both stay.
+    other = tmp_path / "other"
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(ds, epochs=3, verbose=0, callbacks=[
+            SyncedCheckpoint(other, save_freq=1, keep=1, dataset=ds), StopAt(1, 3)])
+    manifest = json.loads((other / "manifest.json").read_text())
+    assert [(e["epoch"], e["step"], e["epoch_end"]) for e in manifest["checkpoints"]] == [
+        (1, 0, True),
+        (1, 4, False),
+    ]
+    assert len([n for n in os.listdir(other) if n.endswith(".npz")]) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "zero", "garbage", "delete"])
+def test_corrupt_newest_checkpoint_warns_and_uses_the_previous(tmp_path, damage, caplog):
+    model, ds = build("sgd"), dataset()
+    model.fit(ds, epochs=3, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    newest = tmp_path / manifest["latest"]
+    raw = newest.read_bytes()
+    if damage == "truncate":
+        newest.write_bytes(raw[: len(raw) // 2])
+    elif damage == "zero":
+        newest.write_bytes(b"\0" * len(raw))
+    elif damage == "garbage":
+        newest.write_bytes(b"not a checkpoint at all")
+    else:
+        newest.unlink()
+    fresh, ds = build("sgd", seed=1), dataset()
+    checkpoint = SyncedCheckpoint(tmp_path, dataset=ds)
+    caplog.set_level(logging.WARNING, logger="keras_mirror_kit")
+    with pytest.warns(CorruptCheckpointWarning, match="Skipping corrupt checkpoint"):
+        fresh.fit(ds, epochs=3, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.last_restored.meta["epoch"] == 2  # the previous one
+    assert any("corrupt" in r.getMessage() for r in caplog.records)
+
+
+def test_unreadable_manifest_falls_back_to_the_files(tmp_path):
+    model, ds = build("sgd"), dataset()
+    model.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    (tmp_path / "manifest.json").write_text("{broken")
+    checkpoint = SyncedCheckpoint(tmp_path, dataset=ds)
+    checkpoint.set_model(build("sgd", seed=4))
+    with pytest.warns(CorruptCheckpointWarning, match="manifest"):
+        checkpoint.on_train_begin()
+    assert checkpoint.last_restored.meta["epoch"] == 2
+
+
+def test_orphaned_temporaries_are_removed_and_foreign_files_kept(tmp_path):
+    (tmp_path / ".ckpt-00000009.npz.deadbeef.tmp").write_bytes(b"half a checkpoint")
+    (tmp_path / ".manifest.json.0badf00d.tmp").write_bytes(b"{")
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "ckpt-final.npz").write_bytes(b"user file, not ours")
+    model, ds = build("sgd"), dataset()
+    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    names = set(os.listdir(tmp_path))
+    assert not any(n.endswith(".tmp") for n in names)
+    assert {"notes.txt", "ckpt-final.npz", "manifest.json"} <= names
+
+
+def test_checkpoint_of_another_model_is_a_clear_error_before_training(tmp_path):
+    model, ds = build("sgd"), dataset()
+    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+
+    @kmk.distributed(global_batch_size=16)
+    def other():
+        m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5), keras.layers.Dense(3)])
+        m.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+        return m
+
+    counter = CountBatches()
+    with pytest.raises(CheckpointError, match="does not match this model"):
+        other().fit(ds, epochs=1, verbose=0,
+                    callbacks=[SyncedCheckpoint(tmp_path), counter])
+    assert counter.batches == 0
+
+
+def test_verify_replicas_names_a_diverged_variable(tmp_path):
+    model, ds = build("sgd"), dataset()
+    kernel = model.layers[0].kernel
+    copies = model.distribute_strategy.experimental_local_results(kernel.value)
+    copies[1].assign(copies[1] + 1.0)  # one replica drifts
+    with pytest.raises(ReplicaDivergenceError, match="dense") as info:
+        model.fit(ds, epochs=1, verbose=0,
+                  callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    assert "kernel" in str(info.value) and "differ between replicas" in str(info.value)
+    assert not any(n.endswith(".npz") for n in os.listdir(tmp_path))
+
+
+def test_unsynchronised_batch_norm_statistics_are_reported_not_raised(tmp_path, caplog):
+    model = build("sgd", batch_norm=True)
+    bn = model.layers[1]
+    x, y = data()
+    # 2 replicas see different halves of each batch, so moving statistics diverge.
+    ds = kmk.make_dataset(x, y, 16, seed=2)
+    caplog.set_level(logging.INFO, logger="keras_mirror_kit")
+    model.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    copies = model.distribute_strategy.experimental_local_results(bn.moving_mean.value)
+    assert not np.array_equal(np.asarray(copies[0]), np.asarray(copies[1]))
+    assert any("BatchNormalization moving statistics differ" in r.getMessage()
+               for r in caplog.records)
+    assert json.loads((tmp_path / "manifest.json").read_text())["checkpoints"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "fragment"),
+    [
+        ({"save_freq": 0}, ValueError, "save_freq=0"),
+        ({"save_freq": "batch"}, ValueError, "save_freq='batch'"),
+        ({"save_freq": 2.5}, ValueError, "save_freq=2.5"),
+        ({"keep": 0}, ValueError, "keep=0"),
+        ({"dataset": [1, 2]}, ValueError, "dataset=list"),
+    ],
+)
+def test_bad_arguments(tmp_path, kwargs, exc, fragment):
+    with pytest.raises(exc) as info:
+        SyncedCheckpoint(tmp_path, **kwargs)
+    assert fragment in str(info.value)
+    with pytest.raises(TypeError, match="directory=None"):
+        SyncedCheckpoint(None)  # type: ignore[arg-type]
+
+
+def test_a_file_where_the_directory_should_be_fails_before_training(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("x")
+    model, ds = build("sgd"), dataset()
+    counter = CountBatches()
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(target), counter])
+    assert counter.batches == 0 and target.read_text() == "x"
+
+
+def test_dataset_with_steps_per_epoch_is_rejected_before_training(tmp_path):
+    model, ds = build("sgd"), dataset()
+    with pytest.raises(ValueError, match="steps_per_epoch=3"):
+        model.fit(ds.repeat(), epochs=1, steps_per_epoch=3, verbose=0,
+                  callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+
+
+def test_no_warning_on_a_clean_resume(tmp_path):
+    model, ds = build("sgd"), dataset()
+    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CorruptCheckpointWarning)
+        build("sgd").fit(ds, epochs=2, verbose=0,
+                         callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
