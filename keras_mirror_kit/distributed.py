@@ -41,7 +41,7 @@ logger = logging.getLogger("keras_mirror_kit")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-STRATEGIES = ("auto", "mirrored")
+STRATEGIES = ("auto", "mirrored", "multi_worker")
 
 
 class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads like a function)
@@ -64,7 +64,11 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         devices: Device names to use (default: all GPUs, else the CPUs).
         cross_device_ops: `"auto"`, `"nccl"`, `"hierarchical_copy"`,
             `"reduction_to_one_device"`, or a `tf.distribute.CrossDeviceOps`.
-        strategy: `"auto"`/`"mirrored"`, or a `tf.distribute.Strategy` you built yourself.
+        strategy: `"auto"` (MultiWorkerMirroredStrategy when `TF_CONFIG` describes more than
+            one worker or a `cluster_resolver` is given, else MirroredStrategy),
+            `"mirrored"`, `"multi_worker"`, or a `tf.distribute.Strategy` you built yourself.
+        cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver` (for example
+            `SlurmClusterResolver()`) for a multi-worker run; implies `"multi_worker"`.
         lr_scaling_rule: Default rule of `Distribution.scale_learning_rate`.
 
     Raises:
@@ -101,6 +105,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         cross_device_ops: str | tf.distribute.CrossDeviceOps = "auto",
         strategy: str | tf.distribute.Strategy = "auto",
         lr_scaling_rule: str = DEFAULT_RULE,
+        cluster_resolver: Any = None,
     ) -> None:
         if per_replica_batch_size is None and global_batch_size is None:
             raise ValueError(
@@ -138,6 +143,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         self._devices = list(devices) if devices is not None else None
         self._cross_device_ops = cross_device_ops
         self._strategy_arg = strategy
+        self._cluster_resolver = cluster_resolver
         self._lr_scaling_rule = validate_rule(lr_scaling_rule)
         self._distribution: Distribution | None = None
         self._contexts: list[ExitStack] = []
@@ -154,6 +160,13 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         if isinstance(self._strategy_arg, tf.distribute.Strategy):
             strategy = self._strategy_arg
             ops_name = type(getattr(strategy.extended, "_cross_device_ops", None)).__name__
+        elif self._wants_multi_worker():
+            from keras_mirror_kit import multi_worker
+
+            strategy, ops_name = multi_worker.create_strategy(
+                cluster_resolver=self._cluster_resolver,
+                cross_device_ops=self._cross_device_ops,
+            )
         else:
             devices = replica_devices(self._devices)
             ops, ops_name = make_cross_device_ops(self._cross_device_ops, devices)
@@ -166,6 +179,15 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         dist = Distribution(strategy, per_replica, ops_name, self._lr_scaling_rule)
         logger.info(dist.describe())
         return dist
+
+    def _wants_multi_worker(self) -> bool:
+        if self._strategy_arg == "multi_worker" or self._cluster_resolver is not None:
+            return True
+        if self._strategy_arg != "auto":
+            return False
+        from keras_mirror_kit import multi_worker
+
+        return multi_worker.tf_config_num_workers() > 1
 
     def __call__(self, factory: Callable[P, R]) -> DistributedFactory[P, R]:
         if not callable(factory):
