@@ -1,0 +1,286 @@
+"""`ThroughputMonitor`: samples/s, per-replica samples/s, steps/s and step time in `logs`.
+
+A thin Keras callback over `keras_mirror_kit.throughput.ThroughputMeter`, which does the
+arithmetic. The callback only reads `time.perf_counter()` and Python attributes: it never
+reads a tensor, so it adds no device synchronisation to the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import keras
+
+from keras_mirror_kit.batching import validate_positive_int
+from keras_mirror_kit.distribution import distribution_of
+from keras_mirror_kit.throughput import (
+    ThroughputMeter,
+    _validate_non_negative_int,
+    validate_baseline,
+)
+
+__all__ = ["ThroughputMonitor"]
+
+logger = logging.getLogger("keras_mirror_kit")
+
+
+class ThroughputMonitor(keras.callbacks.Callback):
+    """Adds training throughput to the logs of every epoch (and, optionally, of batches).
+
+    At the end of every epoch, this callback adds to `logs` the throughput of that epoch,
+    so that `History`, `TensorBoard`, W&B and any other callback placed after it see them:
+
+    - `samples_per_sec`: samples per second over all replicas (the global rate);
+    - `samples_per_sec_per_replica`: `samples_per_sec / num_replicas`;
+    - `steps_per_sec`: training steps per second (one step = one global batch);
+    - `step_time_ms`: mean wall time of one step, in milliseconds;
+    - `scaling_efficiency` (only with `baseline_samples_per_sec`): `samples_per_sec /
+      (num_replicas * baseline_samples_per_sec)`; 1.0 is perfect linear scaling.
+
+    With `log_every_n_steps=N` the same keys are also added to the batch `logs` every `N`
+    training steps, computed over the steps since the previous such report.
+
+    The global batch size and the replica count come from the `Distribution` of a model
+    built by `kmk.distributed()`. For any other model pass `global_batch_size` (Keras does
+    not tell callbacks the batch size); `num_replicas` then defaults to the replicas of the
+    model's `tf.distribute` strategy (1 without one). Every step is counted as one full
+    global batch.
+
+    What is measured: the wall time from the start of each epoch's first training step
+    (`on_train_batch_begin`) to the end of its last one, less the following. Keras creates
+    the epoch's input iterator before that first step; that set-up, and epoch-end work
+    (checkpoints, other callbacks), are outside the measured time.
+
+    - warm-up: the first `warmup_steps` steps of every `fit()` call (tracing and
+      compilation happen in the first one). With `steps_per_execution=N` Keras reports
+      batches once per execution, so warm-up ends with the first execution that reaches
+      `warmup_steps` steps; steps are counted from the batch indices, not the calls.
+    - validation: everything between `on_test_begin` and `on_test_end` inside `fit()`.
+
+    An epoch with no measured step (a short epoch entirely within warm-up) gets no
+    throughput keys, like `val_*` keys on epochs that `validation_freq` skips. At the end
+    of training one INFO line with the figures of the whole `fit()` is logged on the
+    `keras_mirror_kit` logger; `summary()` returns them and `last` the latest figures.
+
+    Place the monitor before callbacks that read `logs` (`TensorBoard`, `CSVLogger`,
+    `WandbMetricsLogger`): Keras calls callbacks in list order, and `History` last.
+
+    Args:
+        global_batch_size: Samples per step over all replicas. Needed when the model was
+            not built by `kmk.distributed()`; otherwise optional and checked against it.
+        num_replicas: Replicas in sync. Optional; checked against the `Distribution`, or
+            defaults to the model's strategy's replicas.
+        warmup_steps: Training steps at the start of each `fit()` left out of the rates;
+            0 keeps them all (tracing included).
+        log_every_n_steps: Also add the figures to the batch logs every this many steps;
+            None (the default) reports at epoch ends only.
+        baseline_samples_per_sec: Samples/s of the same training on a single replica;
+            enables `scaling_efficiency`.
+
+    Raises:
+        TypeError: If a count is not an integer or the baseline not a number.
+        ValueError: If a count is not positive (`warmup_steps` may be 0) or the baseline not
+            positive and finite. At the start of `fit()` (before any step): if the global
+            batch size is unknown, or an explicit argument contradicts the model's
+            `Distribution`.
+
+    Example:
+
+    ```python
+    import keras_mirror_kit as kmk
+    from keras_mirror_kit.callbacks import ThroughputMonitor
+
+    @kmk.distributed(per_replica_batch_size=64)
+    def build_model(): ...
+
+    model = build_model()
+    history = model.fit(train_ds, epochs=5, callbacks=[ThroughputMonitor()])
+    history.history["samples_per_sec"]   # one figure per epoch
+
+    # A model not built by the kit: say what a step is.
+    model.fit(x, y, batch_size=256, callbacks=[ThroughputMonitor(global_batch_size=256)])
+    ```
+    """
+
+    def __init__(
+        self,
+        *,
+        global_batch_size: int | None = None,
+        num_replicas: int | None = None,
+        warmup_steps: int = 2,
+        log_every_n_steps: int | None = None,
+        baseline_samples_per_sec: float | None = None,
+    ) -> None:
+        super().__init__()
+        if global_batch_size is not None:
+            validate_positive_int("global_batch_size", global_batch_size)
+        if num_replicas is not None:
+            validate_positive_int("num_replicas", num_replicas)
+        if log_every_n_steps is not None:
+            validate_positive_int("log_every_n_steps", log_every_n_steps)
+        _validate_non_negative_int("warmup_steps", warmup_steps)
+        self._global_batch_size = global_batch_size
+        self._num_replicas = num_replicas
+        self._warmup_steps = warmup_steps
+        self._log_every_n_steps = log_every_n_steps
+        self._baseline = validate_baseline(baseline_samples_per_sec)
+        self._meter: ThroughputMeter | None = None
+        self._last: dict[str, float] = {}
+        self._training = False
+        self._epoch_pending = False  # the clock starts at the epoch's first batch
+        self._last_batch = -1
+        self._steps_in_fit = 0
+        self._steps_per_execution = 1
+
+    @property
+    def last(self) -> dict[str, float]:
+        """The figures most recently added to `logs` (epoch or batch); `{}` before any."""
+        return dict(self._last)
+
+    @property
+    def meter(self) -> ThroughputMeter | None:
+        """The `ThroughputMeter` of the current (or last) `fit()`; None before the first."""
+        return self._meter
+
+    def summary(self) -> dict[str, float]:
+        """The throughput of the whole current (or last) `fit()`, warm-up and validation excluded.
+
+        Returns:
+            `ThroughputMeter.summary()`: the figures keys (absent when no step was
+            measured) plus `measured_steps`, `measured_seconds`, `warmup_steps`,
+            `warmup_seconds`, `paused_seconds`, `global_batch_size` and `num_replicas`.
+            An empty dict before the first `fit()`.
+
+        Example:
+
+        ```python
+        monitor = ThroughputMonitor()
+        model.fit(train_ds, epochs=3, callbacks=[monitor])
+        monitor.summary()["samples_per_sec"]
+        ```
+        """
+        return {} if self._meter is None else self._meter.summary()
+
+    def _resolve(self) -> tuple[int, int]:
+        """Global batch size and replicas, from the Distribution or the arguments."""
+        model = self.model
+        name = getattr(model, "name", type(model).__name__)
+        dist = distribution_of(model)
+        if dist is not None:
+            for arg, given, actual in (
+                ("global_batch_size", self._global_batch_size, dist.global_batch_size),
+                ("num_replicas", self._num_replicas, dist.num_replicas),
+            ):
+                if given is not None and given != actual:
+                    raise ValueError(
+                        f"ThroughputMonitor: `{arg}` contradicts the model's distribution "
+                        f"({dist!r}), which has {arg}={actual}. Drop the argument (it is "
+                        f"read from the distribution) or fix it. Received: {arg}={given}"
+                    )
+            return dist.global_batch_size, dist.num_replicas
+        if self._global_batch_size is None:
+            raise ValueError(
+                "ThroughputMonitor needs the global batch size (samples per training step "
+                "over all replicas) and Keras does not tell callbacks the batch size. The "
+                f"model {name!r} was not built by kmk.distributed(), so pass it: "
+                "ThroughputMonitor(global_batch_size=...), and num_replicas=... if the model "
+                "is not under its tf.distribute strategy. Received: global_batch_size=None"
+            )
+        replicas = self._num_replicas
+        if replicas is None:
+            strategy = getattr(model, "distribute_strategy", None)
+            replicas = int(getattr(strategy, "num_replicas_in_sync", 1) or 1)
+        return self._global_batch_size, replicas
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        """Resolves batch size and replicas (or raises `ValueError`) and restarts warm-up."""
+        global_batch_size, replicas = self._resolve()
+        self._meter = ThroughputMeter(
+            global_batch_size,
+            num_replicas=replicas,
+            warmup_steps=self._warmup_steps,
+            baseline_samples_per_sec=self._baseline,
+        )
+        self._meter.start()
+        self._training = True
+        self._steps_in_fit = 0
+        self._last_batch = -1
+        spe = getattr(self.model, "steps_per_execution", 1)
+        self._steps_per_execution = spe if isinstance(spe, int) and spe > 0 else 1
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Arms the epoch: its clock starts with its first training step."""
+        self._last_batch = -1
+        self._epoch_pending = self._meter is not None
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Starts the epoch's clock at its first step (after Keras made the input iterator)."""
+        if self._epoch_pending and self._meter is not None:
+            self._epoch_pending = False
+            self._meter.start_epoch()
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Counts the steps since the last call; every N steps adds figures to `logs`."""
+        meter = self._meter
+        if meter is None:
+            return
+        if not meter.running:  # a custom loop without on_train_batch_begin: time from here
+            self._epoch_pending = False
+            self._last_batch = batch
+            meter.start_epoch()
+            return
+        # With steps_per_execution=N, Keras calls this once per execution with the index of
+        # its last step, even when the epoch's last execution runs fewer than N steps.
+        steps_per_epoch = (self.params or {}).get("steps")
+        index = min(batch, steps_per_epoch - 1) if steps_per_epoch else batch
+        n_steps = index - self._last_batch
+        if n_steps <= 0:  # indices restarted without on_epoch_begin
+            n_steps = max(1, min(index + 1, self._steps_per_execution))
+        self._last_batch = index
+        meter.step(n_steps)
+        before, self._steps_in_fit = self._steps_in_fit, self._steps_in_fit + n_steps
+        every = self._log_every_n_steps
+        if every and logs is not None and self._steps_in_fit // every > before // every:
+            figures = meter.interval_figures()
+            if figures is not None:
+                logs.update(figures)
+                self._last = figures
+
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
+        """Pauses the clock for validation inside `fit()`."""
+        if self._training and self._meter is not None:
+            self._meter.pause()
+
+    def on_test_end(self, logs: dict[str, Any] | None = None) -> None:
+        """Resumes the clock after validation inside `fit()`."""
+        if self._training and self._meter is not None:
+            self._meter.resume()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Adds the epoch's figures to `logs` (none if the epoch was all warm-up)."""
+        if self._meter is None:
+            return
+        self._meter.stop()
+        figures = None if self._epoch_pending else self._meter.epoch_figures()
+        self._epoch_pending = False
+        if figures is None:
+            logger.debug(
+                "ThroughputMonitor: epoch %d had no measured step (warm-up: %d steps); no "
+                "throughput figures for it.",
+                epoch,
+                self._warmup_steps,
+            )
+            return
+        if logs is not None:
+            logs.update(figures)
+        self._last = figures
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        """Logs the one-line summary of the whole `fit()` at INFO level."""
+        self._training = False
+        self._epoch_pending = False
+        if self._meter is None:
+            return
+        self._meter.stop()
+        logger.info("keras-mirror-kit ThroughputMonitor: %s", self._meter.describe())
