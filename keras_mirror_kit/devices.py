@@ -202,10 +202,10 @@ def replica_devices(devices: Sequence[str] | None = None) -> list[str]:
 
 
 def nccl_available() -> bool:
-    """Whether NCCL all-reduce can be used: a CUDA (or ROCm) build of TensorFlow on Linux.
+    """Whether NCCL all-reduce can be used: GPUs, and a CUDA (or ROCm) build on Linux.
 
     Returns:
-        True when NCCL (RCCL) ships with this TensorFlow build.
+        True when NCCL (RCCL) ships with this TensorFlow build and a GPU is visible.
 
     Example:
 
@@ -216,7 +216,8 @@ def nccl_available() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     info = tf.sysconfig.get_build_info()
-    return bool(info.get("is_cuda_build") or info.get("is_rocm_build"))
+    built = bool(info.get("is_cuda_build") or info.get("is_rocm_build"))
+    return built and bool(tf.config.list_physical_devices("GPU"))
 
 
 def make_cross_device_ops(
