@@ -33,6 +33,7 @@ def main() -> int:
     parser.add_argument("--fsize-limit-after-epoch", type=int)
     parser.add_argument("--fsize-limit", type=int, default=2048)
     parser.add_argument("--read-only-after-epoch", type=int)
+    parser.add_argument("--started-marker", help="touched when training starts")
     args = parser.parse_args()
 
     import keras
@@ -69,6 +70,11 @@ def main() -> int:
         checkpoint_store.atomic_write_bytes = pausing_write
 
     class Limits(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            if args.started_marker:
+                with open(args.started_marker, "w") as handle:
+                    handle.write(str(time.time()))
+
         def on_epoch_end(self, epoch, logs=None):
             if epoch == args.fsize_limit_after_epoch:
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -82,6 +88,7 @@ def main() -> int:
     save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
     model, ds = build("adam"), dataset()
     checkpoint = SyncedCheckpoint(args.directory, save_freq=save_freq, dataset=ds)
+    started = time.time()
     try:
         model.fit(ds, epochs=args.epochs, verbose=0, callbacks=[checkpoint, Limits()])
     except OSError as err:
@@ -92,6 +99,7 @@ def main() -> int:
     print("RESULT " + json.dumps({
         "restored": None if restored is None else [restored.meta["epoch"], restored.meta["step"]],
         "iterations": int(model.optimizer.iterations.numpy()),
+        "fit_seconds": time.time() - started,
     }))
     return 0
 

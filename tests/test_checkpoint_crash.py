@@ -136,3 +136,60 @@ def test_directory_turning_read_only_is_a_clear_error_and_keeps_checkpoints():
         assert latest is not None and latest.meta["epoch"] == 1
     finally:
         subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+def test_ten_seeded_random_sigkills_all_resume_to_the_uninterrupted_weights(
+    tmp_path, reference
+):
+    """Kill -9 at seeded random moments (a random time, or inside a random file write),
+    then resume every trial: each resumes from a good checkpoint and ends equal."""
+    import random
+
+    rng = random.Random(20261129)
+    directories = []
+    plan = []
+    for trial in range(10):
+        directory, marker = tmp_path / f"t{trial}" / "ckpt", tmp_path / f"t{trial}" / "m"
+        directory.parent.mkdir()
+        started = tmp_path / f"t{trial}" / "started"
+        if trial % 2 == 0:  # inside a write: which file write, and at what stage
+            how = ("write", rng.randint(1, 20), rng.choice(["partial", "after-tmp",
+                                                             "after-replace"]))
+            extra = ["--pause-at", how[1], "--pause-mode", how[2], "--marker", marker]
+        else:  # at a random time after training started
+            how = ("time", round(rng.uniform(0.0, 1.5), 3))
+            extra = ["--started-marker", started]
+        plan.append(how)
+        proc = child(directory, tmp_path / f"t{trial}" / "w.npz", *extra, wait=False)
+        try:
+            deadline = time.monotonic() + 240
+            target = marker if how[0] == "write" else started
+            while not target.exists() and proc.poll() is None:
+                assert time.monotonic() < deadline, f"trial {trial} never got going"
+                time.sleep(0.02)
+            if how[0] == "time":
+                time.sleep(how[1])
+        finally:
+            proc.kill()  # SIGKILL
+            proc.communicate(timeout=60)
+        directories.append(str(directory))
+    out = tmp_path / "results.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2",
+           "KMK_SIMULATE_REPLICAS": "2"}
+    done = subprocess.run([sys.executable, "-m", "tests.resume_many", str(out), *directories],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    resumed_mid_training = 0
+    for how, directory in zip(plan, directories):
+        result = results[directory]
+        assert result["iterations"] == EPOCHS * 6, (how, result)
+        assert result["batches"] == EPOCHS * 6 - (
+            0 if result["restored"] is None
+            else result["restored"][0] * 6 + result["restored"][1]), (how, result)
+        assert result["leftovers"] == [], (how, result)
+        diff = max(float(np.max(np.abs(a - b)))
+                   for a, b in zip(reference, weights(result["weights"])))
+        assert diff <= 1e-6, (how, diff)
+        resumed_mid_training += result["restored"] is not None
+    assert resumed_mid_training >= 5  # the kills really interrupted training
