@@ -10,6 +10,7 @@ def build_model(): ...
 
 from keras_mirror_kit import datasets, models
 from keras_mirror_kit._version import __version__
+from keras_mirror_kit.batch_norm import synchronize_batch_norm
 from keras_mirror_kit.batching import global_batch_size, per_replica_batch_size
 from keras_mirror_kit.callbacks import ReplicaDivergenceError, SyncedCheckpoint, ThroughputMonitor
 from keras_mirror_kit.checkpoint_store import (
@@ -51,4 +52,5 @@ __all__ = [
     "rescale",
     "scale_learning_rate",
     "simulate_replicas",
+    "synchronize_batch_norm",
 ]

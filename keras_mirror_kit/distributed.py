@@ -24,6 +24,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import keras
 import tensorflow as tf
 
+from keras_mirror_kit.batch_norm import synchronize_batch_norm
 from keras_mirror_kit.batching import per_replica_batch_size as split_global_batch
 from keras_mirror_kit.batching import validate_positive_int
 from keras_mirror_kit.devices import (
@@ -32,7 +33,9 @@ from keras_mirror_kit.devices import (
     replica_devices,
 )
 from keras_mirror_kit.distribution import Distribution, activate, register_model
+from keras_mirror_kit.keras_epoch_rounding import install_fit_guard
 from keras_mirror_kit.lr_scaling import DEFAULT_RULE, validate_rule
+from keras_mirror_kit.precision import keep_outputs_float32, policy_scope, validate_policy
 
 __all__ = ["distributed", "DistributedFactory"]
 
@@ -42,6 +45,9 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 STRATEGIES = ("auto", "mirrored", "multi_worker")
+# steps_per_execution="auto": enough steps per call to amortise Keras' per-step Python
+# overhead (benchmarks/knobs.py), few enough that batch-level callbacks stay responsive.
+AUTO_STEPS_PER_EXECUTION = 8
 
 
 class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads like a function)
@@ -69,6 +75,14 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             `"mirrored"`, `"multi_worker"`, or a `tf.distribute.Strategy` you built yourself.
         cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver` (for example
             `SlurmClusterResolver()`) for a multi-worker run; implies `"multi_worker"`.
+        sync_batch_norm: Make every `BatchNormalization` the factory builds compute its
+            batch statistics across all replicas (decorator form only).
+        mixed_precision: `"mixed_float16"`, `"mixed_bfloat16"` or None: the Keras dtype
+            policy for the layers the factory builds (the global policy is restored
+            afterwards); output layers stay float32; float16 gets loss scaling.
+        steps_per_execution: Steps per compiled call for the factory's `compile()`: an
+            integer, or `"auto"` (8); None leaves what `compile()` got (decorator form
+            only).
         lr_scaling_rule: Default rule of `Distribution.scale_learning_rate`.
 
     Raises:
@@ -106,6 +120,9 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         strategy: str | tf.distribute.Strategy = "auto",
         lr_scaling_rule: str = DEFAULT_RULE,
         cluster_resolver: Any = None,
+        sync_batch_norm: bool = False,
+        mixed_precision: str | None = None,
+        steps_per_execution: int | str | None = None,
     ) -> None:
         if per_replica_batch_size is None and global_batch_size is None:
             raise ValueError(
@@ -138,6 +155,23 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
                 "`devices` must be a list of device names such as ['/gpu:0', '/gpu:1']. "
                 f"Received: devices={devices!r}"
             )
+        if not isinstance(sync_batch_norm, bool):
+            raise TypeError(
+                f"`sync_batch_norm` must be True or False. Received: sync_batch_norm="
+                f"{sync_batch_norm!r}"
+            )
+        if steps_per_execution == "auto":
+            steps_per_execution = AUTO_STEPS_PER_EXECUTION
+        elif steps_per_execution is not None:
+            if isinstance(steps_per_execution, str):
+                raise ValueError(
+                    "`steps_per_execution` must be a positive integer, 'auto' or None. "
+                    f"Received: steps_per_execution={steps_per_execution!r}"
+                )
+            validate_positive_int("steps_per_execution", steps_per_execution)
+        self._sync_batch_norm = sync_batch_norm
+        self._mixed_precision = validate_policy(mixed_precision)
+        self._steps_per_execution = steps_per_execution
         self._per_replica_batch_size = per_replica_batch_size
         self._global_batch_size = global_batch_size
         self._devices = list(devices) if devices is not None else None
@@ -198,9 +232,18 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         return DistributedFactory(self, factory)
 
     def __enter__(self) -> Distribution:
+        if self._sync_batch_norm or self._steps_per_execution is not None:
+            raise ValueError(
+                "`sync_batch_norm` and `steps_per_execution` apply to the model a decorated "
+                "factory returns; use @kmk.distributed(...) on a factory, or inside a `with` "
+                "block call kmk.synchronize_batch_norm(model) and pass steps_per_execution "
+                "to compile(). Received: sync_batch_norm="
+                f"{self._sync_batch_norm}, steps_per_execution={self._steps_per_execution}"
+            )
         dist = self.distribution
         stack = ExitStack()
         stack.enter_context(activate(dist))
+        stack.enter_context(policy_scope(self._mixed_precision))
         self._contexts.append(stack)
         return dist
 
@@ -252,13 +295,23 @@ class DistributedFactory(Generic[P, R]):
         return self._config.distribution
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        config = self._config
         dist = self.distribution
-        with activate(dist):
+        with activate(dist), policy_scope(config._mixed_precision):  # noqa: SLF001
             model = self._factory(*args, **kwargs)
-        check_model(model, dist, factory_name=getattr(self._factory, "__name__", "factory"))
+        name = getattr(self._factory, "__name__", "factory")
+        check_model(model, dist, factory_name=name)
         register_model(model, dist)
-        if not model.compiled:  # type: ignore[attr-defined]
-            _compile_inside_scope(model, dist)  # type: ignore[arg-type]
+        if config._mixed_precision:  # noqa: SLF001
+            keep_outputs_float32(model)  # type: ignore[arg-type]
+        if config._sync_batch_norm:  # noqa: SLF001
+            synchronize_batch_norm(model)  # type: ignore[arg-type]
+        steps = config._steps_per_execution  # noqa: SLF001
+        if model.compiled:  # type: ignore[attr-defined]
+            _apply_steps_per_execution(model, steps, name)
+        else:
+            _compile_inside_scope(model, dist, steps)  # type: ignore[arg-type]
+        install_fit_guard(model)  # type: ignore[arg-type]
         return model
 
     def __repr__(self) -> str:
@@ -331,7 +384,23 @@ def check_model(model: Any, dist: Distribution, factory_name: str = "factory") -
             )
 
 
-def _compile_inside_scope(model: keras.Model, dist: Distribution) -> None:
+def _apply_steps_per_execution(model: Any, steps: int | None, name: str) -> None:
+    if steps is None or model.steps_per_execution == steps:
+        return
+    if model.steps_per_execution != 1:
+        raise ValueError(
+            f"The factory `{name}` compiled with steps_per_execution="
+            f"{model.steps_per_execution}, but distributed(steps_per_execution={steps}) asks "
+            "for another value. Pass it in one place only. "
+            f"Received: steps_per_execution={steps}"
+        )
+    model.steps_per_execution = steps
+    config = getattr(model, "_compile_config", None)
+    if config is not None and isinstance(getattr(config, "config", None), dict):
+        config.config["steps_per_execution"] = steps  # so a saved model keeps it
+
+
+def _compile_inside_scope(model: keras.Model, dist: Distribution, steps: int | None) -> None:
     """Makes a later `model.compile(...)` run inside the strategy's scope, then checks it."""
     original = model.compile
 
@@ -340,5 +409,6 @@ def _compile_inside_scope(model: keras.Model, dist: Distribution) -> None:
         with activate(dist):
             original(*args, **kwargs)
         check_model(model, dist, factory_name=f"compile() of {model.name!r}")
+        _apply_steps_per_execution(model, steps, f"compile() of {model.name!r}")
 
     object.__setattr__(model, "compile", compile_in_scope)

@@ -62,6 +62,11 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     epoch boundary (also written every epoch) and re-trains the interrupted epoch from its
     start, again without training any batch twice.
 
+    With `steps_per_execution > 1`, saves happen at execution boundaries, and an exact
+    mid-epoch resume needs the epoch length to be a multiple of `steps_per_execution`
+    (otherwise the resumed epoch's last execution would read past its remaining batches):
+    when it is not, the resume starts at the newest epoch boundary, as without `dataset=`.
+
     Only the chief process writes (`Distribution.is_chief`). After `fit` returns, a later
     `fit` on the same model behaves normally: it neither restores again nor skips epochs.
 
@@ -194,11 +199,14 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             self._cursor.set(epoch, self._epoch_skip)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        # With steps_per_execution > 1 Keras reports the last step of each execution.
+        # With steps_per_execution > 1 Keras reports the last step of each execution (past
+        # the end of the epoch for a partial last execution).
+        num_batches = self._epoch_length()
         done = self._epoch_skip + batch + 1
+        if num_batches is not None:
+            done = min(done, num_batches)
         self._steps_in_fit += done - self._steps_in_epoch
         self._steps_in_epoch = done
-        num_batches = self._epoch_length()
         if self._epoch_skip and num_batches is not None and done >= num_batches:
             # The resumed epoch has run its remaining batches: end it here.
             self.model.stop_training = True
@@ -318,6 +326,16 @@ class SyncedCheckpoint(keras.callbacks.Callback):
 
     def _restore(self) -> None:
         mid_epoch_ok = self._cursor is not None
+        per_execution = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        if mid_epoch_ok and self._cursor.num_batches % per_execution:  # type: ignore[union-attr]
+            # The resumed epoch's last execution would read past its remaining batches.
+            mid_epoch_ok = False
+            logger.info(
+                "keras-mirror-kit: %d batches per epoch is not a multiple of "
+                "steps_per_execution=%d, so the resume starts at the newest epoch boundary",
+                self._cursor.num_batches,  # type: ignore[union-attr]
+                per_execution,
+            )
         had_any = bool(self._store.entries())
         loaded = self._store.load_latest(require_epoch_end=not mid_epoch_ok)
         if loaded is None:
