@@ -116,8 +116,9 @@ def main() -> int:
         rates = condition["rates"]
         median = statistics.median(rates)
         baseline.setdefault(condition["group"], median)
+        ratio = median / baseline[condition["group"]]
         print(f"{condition['group']:<32} {condition['label']:<15} {median:>17.1f} "
-              f"{min(rates):>8.1f}-{max(rates):<8.1f} {median / baseline[condition['group']]:>6.2f}")
+              f"{min(rates):>8.1f}-{max(rates):<8.1f} {ratio:>6.2f}")
     print(f"finished {time.strftime('%Y-%m-%d %H:%M:%S')}")
     return 0
 

@@ -75,7 +75,9 @@ class Distribution:
 
     @property
     def strategy_name(self) -> str:
-        """The strategy's class name, e.g. `"MirroredStrategy"`."""
+        """The strategy's public class name, e.g. `"MirroredStrategy"`."""
+        if isinstance(self._strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            return "MultiWorkerMirroredStrategy"  # not TF's internal CollectiveAllReduce...
         return type(self._strategy).__name__
 
     @property

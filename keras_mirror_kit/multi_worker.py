@@ -1,27 +1,478 @@
-"""MultiWorkerMirroredStrategy support (placeholder; being implemented)."""
+"""Multi-worker training: `TF_CONFIG` validation and `MultiWorkerMirroredStrategy` creation.
+
+`distributed()` calls `create_strategy` when `TF_CONFIG` describes more than one worker, when
+`strategy="multi_worker"`, or when a cluster resolver (for example
+`tf.distribute.cluster_resolver.SlurmClusterResolver()`) is given. TensorFlow reads
+`TF_CONFIG` lazily and reports most mistakes in it late (or blocks forever), so it is
+validated here first and every mistake is a `ValueError` raised before any training.
+
+A worker's `MultiWorkerMirroredStrategy` constructor blocks until every worker of the
+cluster has started: TensorFlow bounds neither that wait nor a wait on a port another
+process holds. This module refuses a local port that is already taken, and the
+`keras-mirror-kit launch` command bounds the wait (`--startup-timeout`); when a launcher
+asks for it (`KMK_LAUNCH_READY_FILE`), the file is created once the strategy exists, i.e.
+once the whole cluster has connected.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import ipaddress
 import json
+import logging
 import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["create_strategy", "tf_config_num_workers"]
+__all__ = [
+    "COLLECTIVE_TIMEOUT_ENV",
+    "READY_FILE_ENV",
+    "TFConfig",
+    "create_strategy",
+    "parse_tf_config",
+    "tf_config_num_workers",
+]
+
+logger = logging.getLogger("keras_mirror_kit")
+
+TF_CONFIG_ENV = "TF_CONFIG"
+COLLECTIVE_TIMEOUT_ENV = "KMK_COLLECTIVE_TIMEOUT"
+READY_FILE_ENV = "KMK_LAUNCH_READY_FILE"
+TRAINING_JOBS = ("chief", "worker")
+KNOWN_JOBS = ("chief", "worker", "evaluator", "ps")
+IMPLEMENTATIONS = ("auto", "ring", "nccl")
+
+
+@dataclass(frozen=True)
+class TFConfig:
+    """A validated `TF_CONFIG`: the cluster and this process's task.
+
+    Args:
+        cluster: Job name -> task addresses (`"host:port"`), in task-index order.
+        task_type: This process's job (`"chief"` or `"worker"`), or None if not given.
+        task_index: This process's index in its job, or None if not given.
+
+    Example:
+
+    ```python
+    config = parse_tf_config()
+    if config is not None and config.num_workers > 1: ...
+    ```
+    """
+
+    cluster: dict[str, tuple[str, ...]]
+    task_type: str | None
+    task_index: int | None
+
+    @property
+    def num_workers(self) -> int:
+        """Training tasks in the cluster: its chief plus its workers."""
+        return sum(len(self.cluster.get(job, ())) for job in TRAINING_JOBS)
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this task is the chief: the `chief` task, else worker 0 when no chief."""
+        if self.task_type == "chief":
+            return True
+        return (
+            self.task_type == "worker" and self.task_index == 0 and not self.cluster.get("chief")
+        )
+
+    @property
+    def rank(self) -> int | None:
+        """This task's position among the training tasks (chief first), or None."""
+        if self.task_type is None or self.task_index is None:
+            return None
+        if self.task_type == "chief":
+            return 0
+        return len(self.cluster.get("chief", ())) + self.task_index
+
+    @property
+    def address(self) -> str | None:
+        """This task's `"host:port"`, or None."""
+        if self.task_type is None or self.task_index is None:
+            return None
+        return self.cluster[self.task_type][self.task_index]
+
+
+def _fail(problem: str, raw: str) -> ValueError:
+    shown = raw if len(raw) <= 300 else raw[:300] + "..."
+    return ValueError(
+        f"The environment variable TF_CONFIG is invalid: {problem}. It must be JSON like "
+        '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, "task": {"type": "worker", '
+        f'"index": 0}}}}. Received: TF_CONFIG={shown!r}'
+    )
+
+
+def _check_address(job: str, index: int, address: Any, raw: str) -> str:
+    if not isinstance(address, str) or not address.strip():
+        raise _fail(
+            f"cluster[{job!r}][{index}] must be a 'host:port' string, not {address!r}", raw
+        )
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host:
+        raise _fail(f"cluster[{job!r}][{index}] = {address!r} has no 'host:port' form", raw)
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise _fail(
+            f"the port of cluster[{job!r}][{index}] = {address!r} must be an integer "
+            f"from 1 to 65535, not {port!r}",
+            raw,
+        )
+    return address.strip()
+
+
+def _task_list(job: str, tasks: Any, raw: str) -> tuple[str, ...]:
+    if isinstance(tasks, str):
+        raise _fail(f"cluster[{job!r}] must be a list of 'host:port' strings, not a string", raw)
+    if isinstance(tasks, Mapping):  # TensorFlow's sparse form: {index: address}
+        try:
+            indexed = {int(k): v for k, v in tasks.items()}
+        except (TypeError, ValueError):
+            raise _fail(f"cluster[{job!r}] maps non-integer task indices", raw) from None
+        if sorted(indexed) != list(range(len(indexed))):
+            raise _fail(
+                f"cluster[{job!r}] must number its tasks 0..n-1; it has {sorted(indexed)}",
+                raw,
+            )
+        tasks = [indexed[i] for i in range(len(indexed))]
+    if not isinstance(tasks, list) or not tasks:
+        raise _fail(f"cluster[{job!r}] must be a non-empty list of 'host:port' strings", raw)
+    return tuple(_check_address(job, i, address, raw) for i, address in enumerate(tasks))
+
+
+def parse_tf_config(raw: str | None = None) -> TFConfig | None:
+    """Parses and validates `TF_CONFIG` for multi-worker mirrored training.
+
+    Args:
+        raw: The JSON text; default: the `TF_CONFIG` environment variable.
+
+    Returns:
+        A `TFConfig`, or None when `TF_CONFIG` is unset or blank.
+
+    Raises:
+        ValueError: On malformed JSON; a missing or empty `cluster`; an unknown job name,
+            a `ps` job (parameter-server training is not mirrored training), more than one
+            chief, a task address without an integer port, or two tasks on one address; a
+            missing `task` (with more than one training task), a `task.type` that is not
+            in the cluster or is not `chief`/`worker`, or a `task.index` that is not an
+            integer in range.
+
+    Example:
+
+    ```python
+    config = parse_tf_config('{"cluster": {"worker": ["a:2222", "b:2222"]}, '
+                             '"task": {"type": "worker", "index": 1}}')
+    config.num_workers, config.is_chief   # (2, False)
+    ```
+    """
+    if raw is None:
+        raw = os.environ.get(TF_CONFIG_ENV, "")
+    if not raw.strip():
+        return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise _fail(f"it is not valid JSON ({err})", raw) from None
+    if not isinstance(config, Mapping):
+        raise _fail(f"it must be a JSON object, not {type(config).__name__}", raw)
+    cluster_raw = config.get("cluster")
+    if not isinstance(cluster_raw, Mapping) or not cluster_raw:
+        raise _fail("it has no 'cluster' object naming the tasks", raw)
+    cluster: dict[str, tuple[str, ...]] = {}
+    for job, tasks in cluster_raw.items():
+        if job == "ps":
+            raise _fail(
+                "it has a 'ps' job: parameter-server training uses "
+                "tf.distribute.ParameterServerStrategy, which this kit does not support; "
+                "mirrored training needs only 'chief' and 'worker' tasks",
+                raw,
+            )
+        if job not in KNOWN_JOBS:
+            raise _fail(
+                f"unknown job {job!r} in 'cluster'; expected {', '.join(map(repr, KNOWN_JOBS))}",
+                raw,
+            )
+        cluster[job] = _task_list(job, tasks, raw)
+    if len(cluster.get("chief", ())) > 1:
+        raise _fail(f"there can be at most one chief; it lists {len(cluster['chief'])}", raw)
+    if not any(cluster.get(job) for job in TRAINING_JOBS):
+        raise _fail("the cluster has no 'chief' or 'worker' task", raw)
+    seen: dict[str, str] = {}
+    for job, tasks in cluster.items():
+        for index, address in enumerate(tasks):
+            name = f"{job}:{index}"
+            if address in seen:
+                raise _fail(f"{seen[address]} and {name} share the address {address!r}", raw)
+            seen[address] = name
+
+    task = config.get("task")
+    if task is None:
+        if sum(len(cluster.get(job, ())) for job in TRAINING_JOBS) > 1:
+            raise _fail(
+                "it has no 'task' saying which task this process is, e.g. "
+                '"task": {"type": "worker", "index": 0}',
+                raw,
+            )
+        return TFConfig(cluster, None, None)
+    if not isinstance(task, Mapping):
+        raise _fail(f"'task' must be an object, not {type(task).__name__}", raw)
+    task_type = task.get("type")
+    if not isinstance(task_type, str) or not task_type:
+        raise _fail(f"'task.type' must name a job, not {task_type!r}", raw)
+    if task_type not in TRAINING_JOBS:
+        raise _fail(
+            f"unknown task type {task_type!r}; a process training with "
+            "MultiWorkerMirroredStrategy is a 'chief' or a 'worker' (an 'evaluator' "
+            "side-car is not supported)",
+            raw,
+        )
+    if task_type not in cluster:
+        raise _fail(f"task type {task_type!r} is not a job of the cluster", raw)
+    index = task.get("index", 0)
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise _fail(f"'task.index' must be an integer, not {index!r}", raw)
+    if not 0 <= index < len(cluster[task_type]):
+        raise _fail(
+            f"task index {index} is out of range: job {task_type!r} has "
+            f"{len(cluster[task_type])} task(s), indices 0 to {len(cluster[task_type]) - 1}",
+            raw,
+        )
+    return TFConfig(cluster, task_type, index)
 
 
 def tf_config_num_workers() -> int:
-    """Number of worker-type tasks (chief + worker) that TF_CONFIG describes; 0 if unset."""
-    raw = os.environ.get("TF_CONFIG", "").strip()
-    if not raw:
-        return 0
-    cluster = json.loads(raw).get("cluster", {})
-    return len(cluster.get("chief", [])) + len(cluster.get("worker", []))
+    """Number of training tasks (chief + workers) that `TF_CONFIG` describes.
+
+    Returns:
+        0 when `TF_CONFIG` is unset, else the count of `chief` and `worker` tasks.
+
+    Raises:
+        ValueError: When `TF_CONFIG` is set but invalid (see `parse_tf_config`).
+
+    Example:
+
+    ```python
+    if tf_config_num_workers() > 1:
+        strategy, name = create_strategy()
+    ```
+    """
+    config = parse_tf_config()
+    return 0 if config is None else config.num_workers
+
+
+def _local_host_names() -> set[str]:
+    names = {"localhost", "127.0.0.1", "::1", "0.0.0.0", "::"}
+    with contextlib.suppress(OSError):
+        names.add(socket.gethostname())
+        names.add(socket.getfqdn())
+    return {n.lower() for n in names}
+
+
+def _check_port_free(address: str) -> None:
+    """Raises if this task's own port, on this host, is already held by another process."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]").lower()
+    if host not in _local_host_names():
+        return
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        family = socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", int(port)))
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                return
+            raise ValueError(
+                f"This task's port {port} is already in use on this host, so TensorFlow "
+                "would wait forever for the cluster. Stop the process holding it (an "
+                "earlier run?) or give this task another port in TF_CONFIG. "
+                f"Received: address={address!r}"
+            ) from None
+
+
+def _collective_timeout(value: float | None) -> float | None:
+    if value is None:
+        raw = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
+        if not raw:
+            return None
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(
+                f"The environment variable {COLLECTIVE_TIMEOUT_ENV} must be a number of "
+                f"seconds. Received: {COLLECTIVE_TIMEOUT_ENV}={raw!r}"
+            ) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(
+            "`collective_timeout_s` must be a number of seconds >= 0 (0 or None: no limit). "
+            f"Received: collective_timeout_s={value!r}"
+        )
+    return float(value) or None
+
+
+def _implementation(cross_device_ops: Any) -> Any:
+    impl = tf.distribute.experimental.CommunicationImplementation
+    if isinstance(cross_device_ops, impl):
+        return cross_device_ops
+    if isinstance(cross_device_ops, tf.distribute.CrossDeviceOps):
+        raise ValueError(
+            "MultiWorkerMirroredStrategy all-reduces with collective ops; a "
+            "tf.distribute.CrossDeviceOps instance only works with MirroredStrategy. Use "
+            "cross_device_ops='auto', 'ring' or 'nccl'. "
+            f"Received: cross_device_ops={type(cross_device_ops).__name__}"
+        )
+    name = str(cross_device_ops).lower() if isinstance(cross_device_ops, str) else None
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(
+            "Unknown `cross_device_ops` for multi-worker training. Expected one of "
+            f"{', '.join(map(repr, IMPLEMENTATIONS))} ('hierarchical_copy' and "
+            "'reduction_to_one_device' are single-host MirroredStrategy choices). "
+            f"Received: cross_device_ops={cross_device_ops!r}"
+        )
+    if name == "auto":
+        from keras_mirror_kit.devices import nccl_available
+
+        gpus = tf.config.list_physical_devices("GPU")
+        return impl.NCCL if gpus and nccl_available() else impl.RING
+    if name == "nccl":
+        from keras_mirror_kit.devices import nccl_available
+
+        if not (tf.config.list_physical_devices("GPU") and nccl_available()):
+            raise ValueError(
+                "`cross_device_ops='nccl'` needs GPUs and a CUDA build of TensorFlow on "
+                "Linux; this worker has none. Use cross_device_ops='auto' or 'ring'. "
+                f"Received: cross_device_ops={cross_device_ops!r}"
+            )
+        return impl.NCCL
+    return impl.RING
+
+
+def _describe_resolver(resolver: Any) -> TFConfig | None:
+    """Validates a cluster resolver's view of the cluster like TF_CONFIG's."""
+    try:
+        spec = resolver.cluster_spec().as_dict()
+    except Exception as err:  # a resolver that cannot answer (e.g. not under Slurm)
+        raise ValueError(
+            f"The cluster resolver {type(resolver).__name__} could not describe the "
+            f"cluster: {err}. Received: cluster_resolver={resolver!r}"
+        ) from err
+    if not spec:
+        return None
+    payload: dict[str, Any] = {"cluster": spec}
+    if resolver.task_type is not None:
+        payload["task"] = {"type": resolver.task_type, "index": resolver.task_id}
+    text = json.dumps(payload, default=str)
+    try:
+        return parse_tf_config(text)
+    except ValueError as err:
+        raise ValueError(
+            str(err).replace("The environment variable TF_CONFIG", "The cluster resolver's view")
+        ) from None
 
 
 def create_strategy(
-    cluster_resolver: Any = None, cross_device_ops: Any = "auto"
+    cluster_resolver: Any = None,
+    cross_device_ops: Any = "auto",
+    *,
+    collective_timeout_s: float | None = None,
 ) -> tuple[tf.distribute.Strategy, str]:
-    """Creates a MultiWorkerMirroredStrategy; returns it and the all-reduce name."""
-    raise NotImplementedError("multi-worker support is being implemented")
+    """Creates a `tf.distribute.MultiWorkerMirroredStrategy` for this worker.
+
+    The cluster comes from `cluster_resolver` or else `TF_CONFIG` (without either, a
+    single-worker strategy over this host). The call blocks until every worker of the
+    cluster has started (TensorFlow's behaviour); with more than one worker it then
+    installs the Keras `model.fit` workaround (`keras_mirror_kit.keras_workarounds`).
+
+    Args:
+        cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver` (for example
+            `SlurmClusterResolver()`), or None to read `TF_CONFIG`.
+        cross_device_ops: `"auto"` (NCCL when this worker has GPUs and a CUDA build, else
+            ring), `"ring"`, `"nccl"`, or a
+            `tf.distribute.experimental.CommunicationImplementation`.
+        collective_timeout_s: Seconds after which a stuck collective (all-reduce) fails
+            instead of hanging; default from `KMK_COLLECTIVE_TIMEOUT`, else none. A dead
+            peer is detected by TensorFlow's heartbeat (about 10 s) either way.
+
+    Returns:
+        `(strategy, name)` where `name` reads like `"collective-ring"` or
+        `"collective-nccl"`.
+
+    Raises:
+        ValueError: On an invalid `TF_CONFIG` or cluster resolver view, an unknown or
+            unusable `cross_device_ops`, a bad timeout or `KMK_KERAS_WORKAROUND`, or when
+            this task's local port is already in use.
+        TypeError: If `cluster_resolver` is not a `ClusterResolver`.
+
+    Example:
+
+    ```python
+    strategy, name = create_strategy()     # TF_CONFIG names 2 workers
+    strategy.num_replicas_in_sync          # 2 (one CPU each)
+    ```
+    """
+    resolver_cls = tf.distribute.cluster_resolver.ClusterResolver
+    if cluster_resolver is not None and not isinstance(cluster_resolver, resolver_cls):
+        raise TypeError(
+            "`cluster_resolver` must be a tf.distribute.cluster_resolver.ClusterResolver "
+            "(for example SlurmClusterResolver()). "
+            f"Received: cluster_resolver={cluster_resolver!r}"
+        )
+    from keras_mirror_kit import keras_workarounds
+
+    implementation = _implementation(cross_device_ops)
+    timeout = _collective_timeout(collective_timeout_s)
+    keras_workarounds.mode()  # a bad KMK_KERAS_WORKAROUND fails now, not after connecting
+    if cluster_resolver is None:
+        config = parse_tf_config()
+        source = "TF_CONFIG"
+    else:
+        config = _describe_resolver(cluster_resolver)
+        source = type(cluster_resolver).__name__
+    if config is not None and config.address is not None and config.num_workers > 1:
+        _check_port_free(config.address)
+    if config is None or config.num_workers <= 1:
+        logger.info(
+            "keras-mirror-kit: MultiWorkerMirroredStrategy with a single worker (%s "
+            "describes no cluster)",
+            source,
+        )
+    else:
+        logger.info(
+            "keras-mirror-kit: joining a %d-worker cluster from %s as %s:%s (%s%s); "
+            "waiting for every worker to start",
+            config.num_workers,
+            source,
+            config.task_type,
+            config.task_index,
+            config.address,
+            ", chief" if config.is_chief else "",
+        )
+    options = tf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=timeout, implementation=implementation
+    )
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=cluster_resolver, communication_options=options
+    )
+    keras_workarounds.apply(strategy)
+    _signal_ready()
+    return strategy, f"collective-{implementation.name.lower()}"
+
+
+def _signal_ready() -> None:
+    """Creates the launcher's readiness file, if a launcher asked for one."""
+    path = os.environ.get(READY_FILE_ENV, "").strip()
+    if not path:
+        return
+    try:
+        Path(path).touch()
+    except OSError as err:
+        logger.warning("keras-mirror-kit: could not create %s=%s: %s", READY_FILE_ENV, path, err)

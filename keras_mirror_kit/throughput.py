@@ -115,6 +115,8 @@ class ThroughputMeter:
 
     Each figures dict holds `samples_per_sec` (over all replicas), `samples_per_sec_per_
     replica`, `steps_per_sec` and `step_time_ms` (mean wall time of one step), plus
+    `samples_per_sec_per_worker` when `num_workers > 1` (workers step together, so each
+    worker's clock gives the global rate), and
     `scaling_efficiency` when `baseline_samples_per_sec` is given: `samples_per_sec /
     (num_replicas * baseline_samples_per_sec)`, 1.0 meaning perfect linear scaling.
     Every step is assumed to process `global_batch_size` samples (a smaller last batch is
@@ -128,6 +130,8 @@ class ThroughputMeter:
             call that reaches `warmup_steps`. 0 measures from `start()`.
         baseline_samples_per_sec: Samples/s of the same training on one replica; enables
             `scaling_efficiency`.
+        num_workers: Processes taking part (multi-worker training); adds
+            `samples_per_sec_per_worker` when above 1.
         clock: Function returning seconds as a float, monotonic; `time.perf_counter` by
             default (a fake one in tests).
 
@@ -160,9 +164,11 @@ class ThroughputMeter:
         warmup_steps: int = 2,
         baseline_samples_per_sec: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        num_workers: int = 1,
     ) -> None:
         self._global_batch_size = validate_positive_int("global_batch_size", global_batch_size)
         self._num_replicas = validate_positive_int("num_replicas", num_replicas)
+        self._num_workers = validate_positive_int("num_workers", num_workers)
         self._warmup_steps = _validate_non_negative_int("warmup_steps", warmup_steps)
         self._baseline = validate_baseline(baseline_samples_per_sec)
         if not callable(clock):
@@ -459,7 +465,13 @@ class ThroughputMeter:
         line = (
             f"throughput {s['samples_per_sec']:.1f} samples/s "
             f"({s['samples_per_sec_per_replica']:.1f} per replica, {replicas} "
-            f"replica{'s' if replicas != 1 else ''}), {s['steps_per_sec']:.1f} steps/s, "
+            f"replica{'s' if replicas != 1 else ''}"
+            + (
+                f", {s['samples_per_sec_per_worker']:.1f} per worker over {self._num_workers}"
+                if "samples_per_sec_per_worker" in s
+                else ""
+            )
+            + f"), {s['steps_per_sec']:.1f} steps/s, "
             f"{s['step_time_ms']:.2f} ms/step over {s['measured_steps']} steps"
         )
         if "scaling_efficiency" in s:
@@ -482,6 +494,8 @@ class ThroughputMeter:
             "steps_per_sec": steps_per_sec,
             "step_time_ms": 1000.0 * tally.seconds / tally.steps,
         }
+        if self._num_workers > 1:
+            figures["samples_per_sec_per_worker"] = samples_per_sec / self._num_workers
         if self._baseline is not None:
             figures["scaling_efficiency"] = samples_per_sec / (self._num_replicas * self._baseline)
         return figures

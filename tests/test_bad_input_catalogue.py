@@ -106,6 +106,19 @@ def file_as_checkpoint_dir(tmp: Path):
     fit(kit_model(), [kmk.SyncedCheckpoint(tmp / "a-file")])
 
 
+def with_tf_config(raw: str) -> Callable[[], object]:
+    def trigger_with_env():
+        import os
+
+        os.environ["TF_CONFIG"] = raw
+        try:
+            return kmk.distributed(8).distribution
+        finally:
+            del os.environ["TF_CONFIG"]
+
+    return trigger_with_env
+
+
 def subprocess_error(code: str, env: dict[str, str] | None = None) -> Callable[[], None]:
     def trigger():
         proc = run_python(code, check=False, env=env)
@@ -204,6 +217,12 @@ CASES = [
          "steps_per_epoch=2"),
     Case("WarmupSchedule with zero warmup steps", lambda: kmk.WarmupSchedule(0.1, 0),
          ValueError, "warmup_steps=0"),
+    Case("TF_CONFIG that is not JSON", with_tf_config("{bad json"), ValueError,
+         "TF_CONFIG is invalid: it is not valid JSON"),
+    Case("TF_CONFIG task index out of range",
+         with_tf_config('{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
+                        '"task": {"type": "worker", "index": 5}}'),
+         ValueError, "task index 5 is out of range"),
     Case("CIFAR-10 requested offline with download=False",
          lambda: kmk.datasets.load_cifar10(cache_dir="/nonexistent-kmk", download=False),
          kmk.datasets.CIFAR10NotAvailableError, "download=False"),

@@ -386,3 +386,21 @@ def test_module_does_not_import_a_framework():
         if isinstance(node, ast.ImportFrom) and node.module
     }
     assert not imported & {"tensorflow", "keras", "jax", "torch", "numpy"}
+
+
+def test_per_worker_figure_only_in_multi_worker_runs():
+    from keras_mirror_kit.throughput import ThroughputMeter
+
+    now = [0.0]
+    for workers, expected in ((1, None), (4, 256.0)):
+        meter = ThroughputMeter(64, num_replicas=8, warmup_steps=0, num_workers=workers,
+                                clock=lambda: now[0])
+        meter.start()
+        meter.start_epoch()
+        now[0] += 1.0
+        meter.step(16)  # 16 steps x 64 samples in 1 s = 1024 samples/s
+        meter.stop()
+        figures = meter.epoch_figures()
+        assert figures["samples_per_sec"] == 1024.0
+        assert figures.get("samples_per_sec_per_worker") == expected
+        assert ("per worker over 4" in meter.describe()) == (workers == 4)

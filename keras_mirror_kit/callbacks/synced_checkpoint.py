@@ -257,12 +257,22 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     def _save(self, epoch: int, step: int, epoch_end: bool) -> None:
         if self.verify_replicas:
             self._verify_replicas()
+        named = self._state_variables()
+        # Reading a SyncOnRead variable is a collective: every worker takes part, or a
+        # chief-only read would hang (none exist in Keras 3 models today; defensive).
+        on_read = {
+            id(v): np.asarray(v.numpy())
+            for _, v in named
+            if getattr(getattr(v, "value", v), "synchronization", None)
+            == tf.VariableSynchronization.ON_READ
+        }
         if not self._is_chief:
             return
         arrays: dict[str, np.ndarray] = {}
         paths: list[str] = []
-        for i, (group, variable) in enumerate(self._state_variables()):
-            arrays[f"{group}/{i:05d}"] = np.asarray(variable.numpy())
+        for i, (group, variable) in enumerate(named):
+            value = on_read[id(variable)] if id(variable) in on_read else variable.numpy()
+            arrays[f"{group}/{i:05d}"] = np.asarray(value)
             paths.append(f"{group}:{variable.path}")
         optimizer = getattr(self.model, "optimizer", None)
         global_step = int(optimizer.iterations.numpy()) if optimizer is not None else None

@@ -35,6 +35,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
     - `samples_per_sec_per_replica`: `samples_per_sec / num_replicas`;
     - `steps_per_sec`: training steps per second (one step = one global batch);
     - `step_time_ms`: mean wall time of one step, in milliseconds;
+    - `samples_per_sec_per_worker` (multi-worker runs only): `samples_per_sec / num_workers`;
     - `scaling_efficiency` (only with `baseline_samples_per_sec`): `samples_per_sec /
       (num_replicas * baseline_samples_per_sec)`; 1.0 is perfect linear scaling.
 
@@ -162,8 +163,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
         """
         return {} if self._meter is None else self._meter.summary()
 
-    def _resolve(self) -> tuple[int, int]:
-        """Global batch size and replicas, from the Distribution or the arguments."""
+    def _resolve(self) -> tuple[int, int, int]:
+        """Global batch size, replicas and workers, from the Distribution or the arguments."""
         model = self.model
         name = getattr(model, "name", type(model).__name__)
         dist = distribution_of(model)
@@ -178,7 +179,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
                         f"({dist!r}), which has {arg}={actual}. Drop the argument (it is "
                         f"read from the distribution) or fix it. Received: {arg}={given}"
                     )
-            return dist.global_batch_size, dist.num_replicas
+            return dist.global_batch_size, dist.num_replicas, dist.num_workers
         if self._global_batch_size is None:
             raise ValueError(
                 "ThroughputMonitor needs the global batch size (samples per training step "
@@ -191,16 +192,19 @@ class ThroughputMonitor(keras.callbacks.Callback):
         if replicas is None:
             strategy = getattr(model, "distribute_strategy", None)
             replicas = int(getattr(strategy, "num_replicas_in_sync", 1) or 1)
-        return self._global_batch_size, replicas
+        return self._global_batch_size, replicas, 1
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Resolves batch size and replicas (or raises `ValueError`) and restarts warm-up."""
-        global_batch_size, replicas = self._resolve()
+        global_batch_size, replicas, workers = self._resolve()
+        dist = distribution_of(self.model)
+        self._is_chief = dist.is_chief if dist is not None else True
         self._meter = ThroughputMeter(
             global_batch_size,
             num_replicas=replicas,
             warmup_steps=self._warmup_steps,
             baseline_samples_per_sec=self._baseline,
+            num_workers=workers,
         )
         self._meter.start()
         self._training = True
@@ -283,4 +287,5 @@ class ThroughputMonitor(keras.callbacks.Callback):
         if self._meter is None:
             return
         self._meter.stop()
-        logger.info("keras-mirror-kit ThroughputMonitor: %s", self._meter.describe())
+        if getattr(self, "_is_chief", True):  # one summary per cluster, from the chief
+            logger.info("keras-mirror-kit ThroughputMonitor: %s", self._meter.describe())

@@ -1,0 +1,338 @@
+"""Makes Keras 3's `model.fit` work under a multi-worker `MultiWorkerMirroredStrategy`.
+
+Upstream issues: keras-team/keras#20585 and tensorflow/tensorflow#72388 (both open when
+this was written, against Keras 3.15 and TensorFlow 2.21). With more than one worker,
+Keras 3's TensorFlow trainer fails in two places:
+
+1. `TensorFlowTrainer._maybe_symbolic_build` reduces the first data batch with
+   `strategy.reduce("MEAN", batch, axis=None)` only to learn its shapes. Under
+   `MultiWorkerMirroredStrategy` the batch is a `PerReplica` (one per local device), which
+   the collective reduction cannot take inside a structure: `ValueError: Attempt to convert
+   a value (PerReplica:{...}) ... to a Tensor`, before the first step.
+2. `reduce_per_replica(..., reduction="auto")`, which turns each step's logs (loss and
+   metrics) into single values, calls `strategy.reduce("MEAN", v, axis=0)` on scalars,
+   which fails. With one device per worker `strategy.run` returns plain tensors, not
+   `PerReplica` values; they hold this worker's figures only, and must be all-reduced
+   too, or every worker logs a different loss.
+
+The fixes: (1) build from the first local replica's batch (its shapes are those of every
+replica; no collective is issued, exactly as a `MirroredStrategy` build sees them), and
+(2) average each log value over all replicas of all workers with
+`strategy.reduce("MEAN", v, axis=None)` (a collective all-reduce, also for plain tensors),
+which is what `reduce_per_replica` does for local replicas under `MirroredStrategy`.
+Gradients and variable updates are untouched: they were already right.
+
+Why this mechanism: the two behaviours live in a method of Keras' `TensorFlowTrainer` class
+and in a module-level function that the trainer looks up in its own module's globals each
+time it builds a train, test or predict function. Patching a model instance cannot reach
+the module function, and copying Keras' `_make_function` (120 lines) into this kit would
+silently fork Keras. So both are wrapped in place, and each wrapper first checks the model's
+strategy: unless it is a `MultiWorkerMirroredStrategy` with more than one worker (the only
+case where the original raises), the wrapper calls the original with the same arguments and
+returns its result. Single-host training therefore runs exactly Keras' own code. The
+wrappers are installed only when `create_strategy` builds a multi-worker strategy (never
+on import), at most once per process (`apply` is idempotent), and only on the Keras
+versions this was tested on (`TESTED_KERAS`). On another version, if the source of Keras no
+longer contains the two failing calls the fix is taken to be upstream and nothing is done;
+otherwise a `KerasWorkaroundWarning` says so and the wrappers are installed. Setting
+`KMK_KERAS_WORKAROUND=off` disables them (`on` installs them on any version without the
+warning). The test suite runs two workers without the wrappers and expects the upstream
+failure, so a Keras release that fixes it is noticed.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import re
+import threading
+import warnings
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+__all__ = [
+    "ENV_VAR",
+    "TESTED_KERAS",
+    "UPSTREAM_ISSUES",
+    "KerasWorkaroundWarning",
+    "apply",
+    "is_applied",
+    "is_multi_worker",
+    "mode",
+    "status",
+]
+
+logger = logging.getLogger("keras_mirror_kit")
+
+UPSTREAM_ISSUES = ("keras-team/keras#20585", "tensorflow/tensorflow#72388")
+#: Keras versions the workaround was tested on: `low <= version < high`.
+TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
+ENV_VAR = "KMK_KERAS_WORKAROUND"
+_MODES = ("auto", "on", "off")
+_MARK = "_kmk_multi_worker_workaround"
+
+# The two calls that fail under a multi-worker strategy, as they read in Keras' source.
+_SYMBOLIC_BUILD_BUG = re.compile(r"distribute_strategy\.reduce\(")
+_REDUCE_PER_REPLICA_BUG = re.compile(r"strategy\.reduce\(\s*[\"']MEAN[\"']\s*,\s*v\s*,\s*axis=0")
+
+_lock = threading.Lock()
+_originals: dict[str, Any] = {}
+
+
+class KerasWorkaroundWarning(UserWarning):
+    """The multi-worker `model.fit` workaround runs on a Keras version it was not tested on."""
+
+
+def _trainer_module() -> Any:
+    from keras.src.backend.tensorflow import trainer
+
+    return trainer
+
+
+def _parse_version(text: str) -> tuple[int, int, int]:
+    numbers = [int(part) for part in re.findall(r"\d+", text)[:3]]
+    return tuple((numbers + [0, 0, 0])[:3])  # type: ignore[return-value]
+
+
+def is_multi_worker(strategy: Any) -> bool:
+    """Whether `strategy` is a `MultiWorkerMirroredStrategy` spanning more than one worker.
+
+    Args:
+        strategy: Any object (a `tf.distribute.Strategy`, or None).
+
+    Returns:
+        True for a multi-worker `MultiWorkerMirroredStrategy`, else False.
+
+    Example:
+
+    ```python
+    is_multi_worker(tf.distribute.MirroredStrategy())  # False
+    ```
+    """
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return False
+    in_multi_worker_mode = getattr(strategy.extended, "_in_multi_worker_mode", None)
+    return bool(in_multi_worker_mode()) if callable(in_multi_worker_mode) else False
+
+
+def mode() -> str:
+    """Reads `KMK_KERAS_WORKAROUND`: `auto` (default), `on` or `off`.
+
+    Returns:
+        The mode, lower-cased.
+
+    Raises:
+        ValueError: For any other value.
+
+    Example:
+
+    ```python
+    if mode() == "off": ...
+    ```
+    """
+    raw = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if raw not in _MODES:
+        raise ValueError(
+            f"The environment variable {ENV_VAR} must be one of {', '.join(_MODES)}. "
+            f"Received: {ENV_VAR}={raw!r}"
+        )
+    return raw
+
+
+def _source(obj: Any) -> str | None:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return None
+
+
+def _bugs_present() -> bool | None:
+    """True if Keras' source still has a failing call, False if neither, None if unknown."""
+    trainer = _trainer_module()
+    build = _source(_original("_maybe_symbolic_build", trainer))
+    reduce = _source(_original("reduce_per_replica", trainer))
+    if build is None or reduce is None:
+        return None
+    return bool(_SYMBOLIC_BUILD_BUG.search(build) or _REDUCE_PER_REPLICA_BUG.search(reduce))
+
+
+def _original(name: str, trainer: Any) -> Any:
+    if name in _originals:
+        return _originals[name]
+    if name == "_maybe_symbolic_build":
+        return trainer.TensorFlowTrainer._maybe_symbolic_build
+    return getattr(trainer, name)
+
+
+def status(keras_version: str | None = None) -> str:
+    """Says whether this Keras needs the multi-worker `fit` workaround.
+
+    Args:
+        keras_version: Version to judge (default: the installed `keras.__version__`).
+
+    Returns:
+        `"tested"` (inside `TESTED_KERAS`: the workaround applies), `"fixed-upstream"`
+        (outside it, and Keras' source no longer has the failing calls), or `"untested"`
+        (outside it and the failing calls are still there, or the source is unreadable).
+
+    Example:
+
+    ```python
+    status("3.15.1")  # "tested"
+    ```
+    """
+    version = _parse_version(keras_version or keras.__version__)
+    low, high = TESTED_KERAS
+    if low <= version < high:
+        return "tested"
+    return "fixed-upstream" if _bugs_present() is False else "untested"
+
+
+def is_applied() -> bool:
+    """Whether the wrappers are installed in this process.
+
+    Returns:
+        True once `apply` installed them.
+
+    Example:
+
+    ```python
+    assert not is_applied()   # before any multi-worker strategy
+    ```
+    """
+    trainer = _trainer_module()
+    return bool(
+        getattr(trainer.reduce_per_replica, _MARK, False)
+        and getattr(trainer.TensorFlowTrainer._maybe_symbolic_build, _MARK, False)
+    )
+
+
+def apply(strategy: Any) -> bool:
+    """Installs the multi-worker `model.fit` workaround if `strategy` needs it (idempotent).
+
+    Nothing is installed for a strategy that is not a multi-worker
+    `MultiWorkerMirroredStrategy`, when `KMK_KERAS_WORKAROUND=off`, or when a Keras outside
+    `TESTED_KERAS` is judged fixed upstream. A Keras outside the range that still has the
+    failing calls gets a `KerasWorkaroundWarning` and the wrappers.
+
+    Args:
+        strategy: The strategy `model.fit` will run under.
+
+    Returns:
+        True if the wrappers are installed (now or before), False otherwise.
+
+    Raises:
+        ValueError: If `KMK_KERAS_WORKAROUND` is not `auto`, `on` or `off`.
+
+    Example:
+
+    ```python
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    keras_workarounds.apply(strategy)
+    ```
+    """
+    chosen = mode()
+    if not is_multi_worker(strategy):
+        return is_applied()
+    if chosen == "off":
+        logger.info(
+            "keras-mirror-kit: %s=off, so Keras' model.fit runs unpatched under %s (it "
+            "fails with more than one worker on Keras %s; see %s)",
+            ENV_VAR,
+            type(strategy).__name__,
+            keras.__version__,
+            " and ".join(UPSTREAM_ISSUES),
+        )
+        return is_applied()
+    with _lock:
+        if is_applied():
+            return True
+        state = status() if chosen == "auto" else "tested"
+        if state == "fixed-upstream":
+            logger.info(
+                "keras-mirror-kit: Keras %s no longer has the multi-worker fit bug (%s); "
+                "the kit's workaround is not needed and was not installed",
+                keras.__version__,
+                " and ".join(UPSTREAM_ISSUES),
+            )
+            return False
+        if state == "untested":
+            low, high = (".".join(map(str, v)) for v in TESTED_KERAS)
+            message = (
+                f"keras-mirror-kit: Keras {keras.__version__} is outside the versions its "
+                f"multi-worker model.fit workaround was tested on ({low} <= version < "
+                f"{high}), and its source still contains the calls that fail under "
+                f"MultiWorkerMirroredStrategy ({' and '.join(UPSTREAM_ISSUES)}). The "
+                "workaround is installed anyway; check that every worker ends training "
+                f"with the same weights, or set {ENV_VAR}=off to run Keras unpatched."
+            )
+            warnings.warn(message, KerasWorkaroundWarning, stacklevel=2)
+            logger.warning(message)
+        _install()
+    logger.info(
+        "keras-mirror-kit: installed the multi-worker model.fit workaround for Keras %s (%s)",
+        keras.__version__,
+        " and ".join(UPSTREAM_ISSUES),
+    )
+    return True
+
+
+def _install() -> None:
+    trainer = _trainer_module()
+    original_build = trainer.TensorFlowTrainer._maybe_symbolic_build
+    original_reduce = trainer.reduce_per_replica
+    _originals.setdefault("_maybe_symbolic_build", original_build)
+    _originals.setdefault("reduce_per_replica", original_reduce)
+
+    @functools.wraps(original_build)
+    def _maybe_symbolic_build(self: Any, iterator: Any = None, data_batch: Any = None) -> Any:
+        strategy = getattr(self, "_distribute_strategy", None)
+        if iterator is None or not is_multi_worker(strategy):
+            return original_build(self, iterator=iterator, data_batch=data_batch)
+        # As Keras does: the first batch of the first epoch's iterator. Then build from the
+        # first local replica's part instead of a collective "mean" of the batch.
+        for _, _, it in iterator:
+            batch = next(it)
+            data_batch = tf.nest.map_structure(
+                lambda v: (
+                    strategy.experimental_local_results(v)[0]
+                    if isinstance(v, tf.distribute.DistributedValues)
+                    else v
+                ),
+                batch,
+            )
+            break
+        return original_build(self, iterator=None, data_batch=data_batch)
+
+    @functools.wraps(original_reduce)
+    def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
+        if reduction not in ("auto", "mean") or not is_multi_worker(strategy):
+            return original_reduce(values, strategy, reduction)
+
+        def mean_over_all_replicas(value: Any) -> Any:
+            if isinstance(value, (tf.Tensor, tf.Variable, tf.distribute.DistributedValues)):
+                return strategy.reduce("MEAN", value, axis=None)
+            return value
+
+        return tf.nest.map_structure(mean_over_all_replicas, values)
+
+    setattr(_maybe_symbolic_build, _MARK, True)
+    setattr(reduce_per_replica, _MARK, True)
+    trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    trainer.reduce_per_replica = reduce_per_replica
+
+
+def _uninstall() -> None:
+    """Restores Keras' own functions (for tests)."""
+    with _lock:
+        trainer = _trainer_module()
+        if "_maybe_symbolic_build" in _originals:
+            trainer.TensorFlowTrainer._maybe_symbolic_build = _originals.pop(
+                "_maybe_symbolic_build"
+            )
+        if "reduce_per_replica" in _originals:
+            trainer.reduce_per_replica = _originals.pop("reduce_per_replica")

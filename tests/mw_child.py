@@ -1,0 +1,194 @@
+"""Training job run by the multi-worker tests, through `keras-mirror-kit launch` or alone.
+
+Usage: python -m tests.mw_child OUT_DIR [--epochs N] [--ckpt DIR] [--save-freq F]
+           [--die-rank R --die-epoch E --die-at-batch B] [--delay-rank R --delay S]
+           [--spawn-grandchild] [--probe-upstream]
+
+Trains the CIFAR-10 CNN on a little synthetic data with `kmk.distributed` and
+`kmk.make_dataset`, one process per worker (TF_CONFIG from the launcher) or a single
+process with KMK_SIMULATE_REPLICAS=2. Each process writes OUT_DIR/result-<rank>.json (what
+it saw: chief-ness, replicas, losses, every file it wrote, renamed or deleted) and
+OUT_DIR/weights-<rank>.npz (initial weights and weights after each epoch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+NUM_TRAIN, GLOBAL_BATCH, DATA_SEED, ORDER_SEED, INIT_SEED = 512, 64, 3, 17, 7
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+def _rank() -> int:
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return 0
+    config = json.loads(raw)
+    task, chiefs = config["task"], len(config["cluster"].get("chief", []))
+    return 0 if task["type"] == "chief" else chiefs + int(task["index"])
+
+
+def _watch_writes(events: list[list[str]]) -> None:
+    """Records every file this process opens for writing, renames or removes (Python-level)."""
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open":
+            path, mode, flags = args
+            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                mode is None and isinstance(flags, int) and flags & WRITE_FLAGS
+            )
+            if writes and isinstance(path, (str, bytes, os.PathLike)):
+                events.append(["open-write", os.fsdecode(path)])
+        elif event in ("os.rename", "os.replace"):
+            events.append([event, os.fsdecode(args[0]), os.fsdecode(args[1])])
+        elif event in ("os.remove", "os.unlink", "os.rmdir", "os.mkdir"):
+            events.append([event, os.fsdecode(args[0])])
+
+    sys.addaudithook(hook)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--ckpt")
+    parser.add_argument("--save-freq", default="epoch")
+    parser.add_argument("--die-rank", type=int)
+    parser.add_argument("--die-epoch", type=int, default=0)
+    parser.add_argument("--die-at-batch", type=int, default=2)
+    parser.add_argument("--delay-rank", type=int)
+    parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--spawn-grandchild", action="store_true")
+    parser.add_argument("--probe-upstream", action="store_true")
+    args = parser.parse_args()
+    rank = _rank()
+    result: dict = {"rank": rank, "pid": os.getpid()}
+    if args.spawn_grandchild:
+        grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        result["grandchild_pid"] = grandchild.pid
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"pids-{rank}.json"), "w") as handle:
+        json.dump(result, handle)
+    if args.delay_rank == rank:
+        time.sleep(args.delay)
+
+    import keras
+    import numpy as np
+
+    import keras_mirror_kit as kmk
+    from keras_mirror_kit import keras_workarounds
+    from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
+    from keras_mirror_kit.datasets import make_synthetic_cifar10
+
+    @kmk.distributed(global_batch_size=GLOBAL_BATCH)
+    def build():
+        keras.utils.set_random_seed(INIT_SEED)
+        model = keras.Sequential(
+            [
+                keras.Input((32, 32, 3)),
+                keras.layers.Conv2D(32, (3, 3), activation="relu"),
+                keras.layers.MaxPooling2D((2, 2)),
+                keras.layers.Flatten(),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(10, activation="softmax"),
+            ]
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss="sparse_categorical_crossentropy",
+            metrics=["accuracy"],
+        )
+        return model
+
+    (x, y), _ = make_synthetic_cifar10(NUM_TRAIN, 0, seed=DATA_SEED)
+    dist = build.distribution
+    result.update(
+        is_chief=dist.is_chief,
+        num_replicas=dist.num_replicas,
+        num_workers=dist.num_workers,
+        strategy=dist.strategy_name,
+        cross_device_ops=dist.cross_device_ops,
+        global_batch_size=dist.global_batch_size,
+        workaround_status=keras_workarounds.status(),
+    )
+
+    if args.probe_upstream:
+        # Keras unpatched: expect the upstream failure (a fixed Keras would train here).
+        os.environ[keras_workarounds.ENV_VAR] = "off"
+        keras_workarounds._uninstall()
+        probe = build()
+        ds = kmk.make_dataset(x[:128], y[:128], GLOBAL_BATCH, seed=ORDER_SEED)
+        try:
+            probe.fit(ds, epochs=1, verbose=0)
+            result["upstream_error"] = None
+        except Exception as err:  # noqa: BLE001
+            result["upstream_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        os.environ[keras_workarounds.ENV_VAR] = "auto"
+        result["reapplied"] = keras_workarounds.apply(dist.strategy)
+
+    model = build()
+    weights: dict[str, np.ndarray] = {f"init_{i}": w for i, w in enumerate(model.get_weights())}
+    dataset = kmk.make_dataset(x, y, GLOBAL_BATCH, seed=ORDER_SEED, preprocess=kmk.rescale())
+    losses: list[float] = []
+    epochs_run: list[int] = []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            epochs_run.append(epoch)
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            losses.append(float(logs["loss"]))
+            if args.die_rank == rank and (self.epoch, batch) == (
+                args.die_epoch,
+                args.die_at_batch,
+            ):
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_epoch_end(self, epoch, logs=None):
+            for i, w in enumerate(self.model.get_weights()):
+                weights[f"e{epoch}_{i}"] = w
+            result.setdefault("epoch_logs", []).append(
+                {k: float(v) for k, v in (logs or {}).items()}
+            )
+
+    callbacks: list = [Record()]
+    events: list[list[str]] = []
+    if args.ckpt:
+        save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
+        callbacks.insert(
+            0, SyncedCheckpoint(args.ckpt, save_freq=save_freq, keep=100, dataset=dataset)
+        )
+        _watch_writes(events)
+    model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
+    ckpt_dir = os.path.abspath(args.ckpt) if args.ckpt else None
+    ckpt_events = [
+        e for e in list(events) if any(os.path.abspath(p).startswith(ckpt_dir) for p in e[1:])
+    ]
+    result.update(
+        losses=losses,
+        epochs_run=epochs_run,
+        iterations=int(model.optimizer.iterations.numpy()),
+        ckpt_events=ckpt_events,
+        restored_from=(
+            {k: callbacks[0].last_restored.meta[k] for k in ("epoch", "step", "global_step")}
+            if args.ckpt and callbacks[0].last_restored is not None
+            else None
+        ),
+    )
+    np.savez(os.path.join(args.out, f"weights-{rank}.npz"), **weights)
+    with open(os.path.join(args.out, f"result-{rank}.json"), "w") as handle:
+        json.dump(result, handle)
+    print(f"worker {rank} done: chief={dist.is_chief} loss={losses[-1]:.6f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
