@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import numbers
 
-__all__ = ["global_batch_size", "per_replica_batch_size", "validate_positive_int"]
+__all__ = [
+    "global_batch_size",
+    "per_replica_batch_size",
+    "validate_non_negative_int",
+    "validate_positive_int",
+]
 
 
 def validate_positive_int(name: str, value: object) -> int:
@@ -34,6 +39,36 @@ def validate_positive_int(name: str, value: object) -> int:
         )
     if value <= 0:
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value}")
+    return int(value)
+
+
+def validate_non_negative_int(name: str, value: object) -> int:
+    """Checks that `value` is an integer >= 0 (bools are rejected).
+
+    Args:
+        name: The argument's name, used in the error message.
+        value: The value to check.
+
+    Returns:
+        `value` as an `int`.
+
+    Raises:
+        TypeError: If `value` is not an integer.
+        ValueError: If `value` is negative.
+
+    Example:
+
+    ```python
+    validate_non_negative_int("seed", 0)  # -> 0
+    ```
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"`{name}` must be a non-negative integer. Received: {name}={value!r} "
+            f"(of type {type(value).__name__})"
+        )
+    if value < 0:
+        raise ValueError(f"`{name}` must be a non-negative integer. Received: {name}={value}")
     return int(value)
 
 

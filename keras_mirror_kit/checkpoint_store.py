@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from keras_mirror_kit.batching import validate_positive_int
+
 __all__ = [
     "CheckpointError",
     "CheckpointStore",
@@ -149,8 +151,9 @@ class CheckpointStore:
     """
 
     def __init__(self, directory: str | os.PathLike[str], keep: int = 3) -> None:
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        if isinstance(keep, bool) or not isinstance(keep, int):
             raise ValueError(f"`keep` must be a positive integer. Received: keep={keep!r}")
+        validate_positive_int("keep", keep)
         self.directory = Path(directory)
         self.keep = keep
 

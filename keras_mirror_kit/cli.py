@@ -27,9 +27,10 @@ def _info() -> dict[str, Any]:
 
     from keras_mirror_kit import __version__
     from keras_mirror_kit.devices import configure_from_environment, nccl_available
-    from keras_mirror_kit.multi_worker import tf_config_num_workers
+    from keras_mirror_kit.multi_worker import parse_tf_config, tf_config_num_workers
 
     configure_from_environment()
+    tf_config = parse_tf_config()  # validated: a bad TF_CONFIG is a clear error here too
     info: dict[str, Any] = {
         "keras_mirror_kit": __version__,
         "tensorflow": tf.__version__,
@@ -38,7 +39,7 @@ def _info() -> dict[str, Any]:
         "physical_gpus": [d.name for d in tf.config.list_physical_devices("GPU")],
         "physical_cpus": [d.name for d in tf.config.list_physical_devices("CPU")],
         "nccl_usable": nccl_available(),
-        "tf_config": json.loads(os.environ["TF_CONFIG"]) if os.environ.get("TF_CONFIG") else None,
+        "tf_config": json.loads(os.environ["TF_CONFIG"]) if tf_config is not None else None,
     }
     workers = tf_config_num_workers()
     if workers > 1:
@@ -154,7 +155,14 @@ def _bench(args: argparse.Namespace) -> int:
                 str(args.per_replica_batch_size), "--steps", str(args.steps),
                 "--result-file", str(result_file),
             ]
-            proc = subprocess.run(command, env=env, check=False, timeout=args.timeout)
+            try:
+                proc = subprocess.run(command, env=env, check=False, timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                sys.stderr.write(
+                    f"error: the {n}-replica run did not finish within --timeout "
+                    f"{args.timeout:g} s; it was stopped\n"
+                )
+                return 1
             if proc.returncode != 0 or not result_file.exists():
                 sys.stderr.write(f"error: the {n}-replica run failed (exit {proc.returncode})\n")
                 return 1

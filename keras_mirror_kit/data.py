@@ -5,7 +5,7 @@ The tutorial's pipeline (`x / 255.0`, `from_tensor_slices`, `shuffle(10000)`,
 them into the dataset and again into the distributed dataset. Here the arrays stay in their
 stored dtype; each epoch shuffles *indices* (a permutation keyed on `(seed, epoch)`), gathers
 one batch at a time and only then runs `preprocess` (for example the cast to float), so the
-memory cost is one copy of the stored data.
+dataset holds one copy of the arrays in their stored dtype (besides the caller's own).
 
 The permutation is keyed on the epoch, not on a random generator's state, so a run that
 resumes at epoch `e` sees exactly the order an uninterrupted run saw at epoch `e`, and a
@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror_kit.batching import validate_positive_int
+from keras_mirror_kit.batching import validate_non_negative_int, validate_positive_int
 
 __all__ = ["DatasetCursor", "cursor_of", "make_dataset", "rescale"]
 
 logger = logging.getLogger("keras_mirror_kit")
 
-_EPOCH, _SKIP = 0, 1
+_EPOCH, _SKIP, _SEED = 0, 1, 2
 
 
 class DatasetCursor:
@@ -45,8 +45,13 @@ class DatasetCursor:
     first `k` batches. `SyncedCheckpoint` ends a resumed epoch after its remaining batches,
     so nothing is trained twice.
 
+    The shuffle seed lives in the cursor too, so that a resumed run can shuffle exactly as
+    the interrupted one did even when that one drew its seed at random.
+
     Args:
         num_batches: Batches in one full epoch.
+        seed: The shuffle seed.
+        seed_given: Whether the user chose the seed (False: drawn at random).
 
     Example:
 
@@ -56,14 +61,42 @@ class DatasetCursor:
     ```
     """
 
-    def __init__(self, num_batches: int) -> None:
+    def __init__(self, num_batches: int, seed: int = 0, seed_given: bool = True) -> None:
         self.num_batches = num_batches
+        self.seed_given = seed_given
         # A lookup table, not a tf.Variable: a table is not mirrored when the dataset is
         # made inside a strategy's scope, and it is read on the host by the input pipeline.
         with tf.device("/cpu:0"):
             self._table = tf.lookup.experimental.MutableHashTable(
                 key_dtype=tf.int64, value_dtype=tf.int64, default_value=0
             )
+        self.set_seed(seed)
+
+    @property
+    def seed(self) -> int:
+        """The shuffle seed the next iteration uses."""
+        return int(self._table.lookup(tf.constant([_SEED], tf.int64)).numpy()[0])
+
+    def set_seed(self, seed: int) -> None:
+        """Replaces the shuffle seed (a resume uses the interrupted run's).
+
+        Args:
+            seed: A non-negative integer.
+
+        Returns:
+            None.
+
+        Raises:
+            ValueError: If `seed` is negative or not an integer.
+
+        Example:
+
+        ```python
+        cursor.set_seed(1234)
+        ```
+        """
+        validate_non_negative_int("seed", seed)
+        self._table.insert(tf.constant([_SEED], tf.int64), tf.constant([int(seed)], tf.int64))
 
     def set(self, epoch: int, skip_batches: int = 0) -> None:
         """Sets the epoch whose order the next iteration uses, and batches to skip.
@@ -111,14 +144,15 @@ class DatasetCursor:
         values = self._table.lookup(tf.constant([_EPOCH, _SKIP], tf.int64)).numpy()
         return int(values[0]), int(values[1])
 
-    def _take(self) -> tuple[tf.Tensor, tf.Tensor]:
-        """Reads the cursor and advances it to the next epoch (inside the input pipeline)."""
+    def _take(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """Reads epoch, skip and seed and advances to the next epoch (in the input pipeline)."""
         keys = tf.constant([_EPOCH, _SKIP], tf.int64)
         values = self._table.lookup(keys)
-        with tf.control_dependencies([values]):
+        seed = self._table.lookup(tf.constant([_SEED], tf.int64))[0]
+        with tf.control_dependencies([values, seed]):
             update = self._table.insert(keys, tf.stack([values[0] + 1, tf.constant(0, tf.int64)]))
         with tf.control_dependencies([update]):
-            return tf.identity(values[0]), tf.identity(values[1])
+            return tf.identity(values[0]), tf.identity(values[1]), tf.identity(seed)
 
 
 def cursor_of(dataset: Any) -> DatasetCursor | None:
@@ -162,10 +196,24 @@ def rescale(scale: float = 1.0 / 255.0, dtype: str = "float32") -> Callable[[Any
     return preprocess
 
 
-def _active_replicas() -> int:
+def _default_replicas() -> int:
+    """The active strategy's replicas; else those of the Distributions created so far."""
     if tf.distribute.has_strategy():
         return int(tf.distribute.get_strategy().num_replicas_in_sync)
-    return 1
+    from keras_mirror_kit.distribution import known_replica_counts
+
+    counts = known_replica_counts()
+    return max(counts) if counts else 1
+
+
+def _multi_worker_expected() -> bool:
+    if tf.distribute.has_strategy() and isinstance(
+        tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy
+    ):
+        return True
+    from keras_mirror_kit.multi_worker import tf_config_num_workers
+
+    return tf_config_num_workers() > 1
 
 
 def make_dataset(
@@ -191,18 +239,21 @@ def make_dataset(
         batch_size: The GLOBAL batch size (e.g. `dist.global_batch_size`).
         shuffle: Shuffle the order every epoch (a permutation keyed on seed and epoch).
         seed: Shuffle seed; with a seed, the order of every epoch is reproducible. A random
-            one is drawn when None.
+            one is drawn when None (single host only: a multi-worker run needs the same
+            seed on every worker); `SyncedCheckpoint` saves it, so a resume reuses it.
         preprocess: Function applied to each batch of `x` after batching (for example
             `kmk.rescale()` to cast uint8 images to float in [0, 1]).
         drop_remainder: Drop the last partial batch. Defaults to `shuffle` (dropped for
             training, kept for evaluation).
         num_replicas: Replicas the batches are split over, used to check that a kept
-            partial batch leaves no replica empty; defaults to the active strategy's.
+            partial batch leaves no replica empty; defaults to the active strategy's, or
+            else to the largest replica count of the `Distribution`s created so far.
         prefetch: Add an autotuned `prefetch` at the end.
 
     Returns:
         A `tf.data.Dataset` of `(x_batch, y_batch)` (or `x_batch`) with known cardinality,
-        auto-shard policy DATA, and a `DatasetCursor` (see `cursor_of`).
+        auto-shard policy DATA, tf.data autotuning off (see `keras_mirror_kit.keras_fit_stall`),
+        and a `DatasetCursor` (see `cursor_of`).
 
     Raises:
         TypeError: On a missing or non-integer batch size or a non-callable `preprocess`.
@@ -228,9 +279,15 @@ def make_dataset(
     if preprocess is not None and not callable(preprocess):
         raise TypeError(f"`preprocess` must be callable. Received: preprocess={preprocess!r}")
     if seed is not None:
-        seed = validate_positive_int("seed", seed + 1) - 1 if isinstance(seed, int) else seed
+        seed = validate_non_negative_int("seed", seed)
+    elif shuffle and _multi_worker_expected():
+        raise ValueError(
+            "make_dataset() needs a `seed` in a multi-worker run: every worker must shuffle "
+            "in the same order before the data is sharded, or the workers' slices of a "
+            "global batch overlap. Pass the same seed on every worker. Received: seed=None"
+        )
     replicas = (
-        _active_replicas()
+        _default_replicas()
         if num_replicas is None
         else validate_positive_int("num_replicas", num_replicas)
     )
@@ -261,23 +318,23 @@ def make_dataset(
             f"remainder divisible by {replicas}. Received: batch_size={batch_size}, len(x)={n}"
         )
     num_batches = n // batch_size if drop else math.ceil(n / batch_size)
+    seed_given = seed is not None
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**31 - 1))
 
     with tf.device("/cpu:0"):
         tensors = tf.nest.map_structure(tf.convert_to_tensor, arrays)
-    cursor = DatasetCursor(num_batches)
-    seed_t = tf.constant(seed, tf.int64)
+    cursor = DatasetCursor(num_batches, seed=seed, seed_given=seed_given)
 
     def next_batch(state: Any, step: tf.Tensor) -> Any:
         # The state lives per iterator: on its first batch, read the cursor and compute
         # that epoch's order; later batches reuse it.
         def fresh() -> Any:
-            epoch, skip = cursor._take()  # noqa: SLF001
+            epoch, skip, seed_now = cursor._take()  # noqa: SLF001
             order = tf.range(n, dtype=tf.int64)
             if shuffle:
                 order = tf.random.experimental.stateless_shuffle(
-                    order, seed=tf.stack([seed_t, epoch])
+                    order, seed=tf.stack([seed_now, epoch])
                 )
             return epoch, skip, order
 
@@ -301,6 +358,11 @@ def make_dataset(
         dataset = dataset.prefetch(tf.data.AUTOTUNE)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    # No autotuning model thread: destroying an iterator whose model thread is asleep can
+    # block for up to 60 s (a TensorFlow lost wake-up; see keras_mirror_kit.keras_fit_stall),
+    # and Keras destroys one at every epoch end. The map and prefetch keep AUTOTUNE, which
+    # then means TensorFlow's fixed defaults (as fast here: gather and cast are cheap).
+    options.autotune.enabled = False
     dataset = dataset.with_options(options)
     dataset._kmk_cursor = cursor  # noqa: SLF001
     return dataset

@@ -222,7 +222,7 @@ def nccl_available() -> bool:
 
 def make_cross_device_ops(
     name: str | tf.distribute.CrossDeviceOps, devices: Sequence[str]
-) -> tuple[tf.distribute.CrossDeviceOps | None, str]:
+) -> tuple[tf.distribute.CrossDeviceOps, str]:
     """Builds the all-reduce implementation for a set of replica devices.
 
     `"auto"` uses NCCL across GPUs when NCCL is usable, hierarchical copy across GPUs
@@ -233,7 +233,7 @@ def make_cross_device_ops(
         devices: The replica devices (full names).
 
     Returns:
-        `(cross_device_ops, name)`; `cross_device_ops` is None for a single device.
+        `(cross_device_ops, name)`.
 
     Raises:
         ValueError: For an unknown name, or `"nccl"` where NCCL cannot run.

@@ -21,7 +21,7 @@ import tensorflow as tf
 from keras_mirror_kit.batching import validate_positive_int
 from keras_mirror_kit.lr_scaling import DEFAULT_RULE, scale_learning_rate, validate_rule
 
-__all__ = ["Distribution", "current", "distribution_of"]
+__all__ = ["Distribution", "current", "distribution_of", "is_chief", "known_replica_counts"]
 
 
 class Distribution:
@@ -250,6 +250,37 @@ def activate(distribution: Distribution) -> Iterator[Distribution]:
             yield distribution
     finally:
         stack.pop()
+
+
+def known_replica_counts() -> list[int]:
+    """Replica counts of the `Distribution`s alive in this process (for input checks)."""
+    return [d.num_replicas for d in list(_ALL_DISTRIBUTIONS)]
+
+
+def is_chief(model: Any) -> bool:
+    """Whether this process should perform side effects (writes, logs) for `model`.
+
+    The `Distribution` that built the model decides; for any other model, its strategy's
+    `extended.should_checkpoint` (True without a strategy).
+
+    Args:
+        model: A `keras.Model`.
+
+    Returns:
+        True on the chief (and on every single-process run).
+
+    Example:
+
+    ```python
+    if kmk.distribution.is_chief(model):
+        model.save("model.keras")
+    ```
+    """
+    dist = distribution_of(model)
+    if dist is not None:
+        return dist.is_chief
+    strategy = getattr(model, "distribute_strategy", None)
+    return bool(getattr(getattr(strategy, "extended", None), "should_checkpoint", True))
 
 
 def current() -> Distribution:

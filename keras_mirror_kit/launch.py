@@ -171,6 +171,7 @@ class _Worker:
     )
     threads: list[threading.Thread] = field(default_factory=list)
     ready: bool = False
+    exit_code: int | None = None  # known before the process is reaped (see _peek_exit)
 
     @property
     def label(self) -> str:
@@ -222,8 +223,31 @@ def _exit_code(returncode: int) -> int:
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
+    # Safe only while the worker (the group's leader) is not yet reaped: its zombie keeps the
+    # group id from being reused by an unrelated process. Workers are reaped last, in stop().
+    if process.returncode is not None:
+        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, sig)
+
+
+def _peek_exit(worker: _Worker) -> int | None:
+    """The worker's exit code if it has exited, without reaping it (Popen-style sign)."""
+    if worker.exit_code is not None or worker.process.returncode is not None:
+        if worker.exit_code is None:
+            worker.exit_code = worker.process.returncode
+        return worker.exit_code
+    try:
+        info = os.waitid(os.P_PID, worker.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        info = None
+    if info is None:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        worker.exit_code = info.si_status
+    else:  # killed or dumped core
+        worker.exit_code = -info.si_status
+    return worker.exit_code
 
 
 _VALUE_OPTIONS = ("-n", "--nproc", "--startup-timeout", "--timeout", "--grace")
@@ -367,7 +391,7 @@ class _Group:
                 return 128 + self.stop_signal
             failed = None
             for worker in self.workers:
-                code = worker.process.poll()
+                code = _peek_exit(worker)
                 if code is not None and code != 0 and failed is None:
                     failed = worker
                 if not worker.ready and worker.ready_file and os.path.exists(worker.ready_file):
@@ -375,15 +399,15 @@ class _Group:
             if failed is not None:
                 self.stop(exclude=failed)
                 self.report_failure(failed)
-                return _exit_code(int(failed.process.returncode))
-            if all(w.process.returncode == 0 for w in self.workers):
+                return _exit_code(int(failed.exit_code))  # type: ignore[arg-type]
+            if all(w.exit_code == 0 for w in self.workers):
                 self.stop()  # leftover children of the workers, if any
                 return 0
             elapsed = time.monotonic() - start
             late = [
                 w
                 for w in self.workers
-                if not w.ready and w.process.returncode is None and w.ready_file
+                if not w.ready and w.exit_code is None and w.ready_file
             ]
             if startup and late and elapsed > startup:
                 names = ", ".join(f"worker {w.index}" for w in late)
@@ -398,7 +422,7 @@ class _Group:
                     self.print_tail(worker)
                 return EXIT_TIMEOUT
             if overall and elapsed > overall:
-                running = [w for w in self.workers if w.process.returncode is None]
+                running = [w for w in self.workers if w.exit_code is None]
                 self.stop()
                 names = ", ".join(f"worker {w.index}" for w in running) or "no worker"
                 self.note(f"--timeout {overall:g} s reached; stopped {names}")
@@ -411,15 +435,17 @@ class _Group:
             if worker is not exclude:
                 _signal_group(worker.process, signal.SIGTERM)
         deadline = time.monotonic() + self.args.grace
+        while time.monotonic() < deadline and any(_peek_exit(w) is None for w in self.workers):
+            time.sleep(POLL_S)
         for worker in self.workers:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for worker in self.workers:
-            # Also kills what the worker left behind in its group after exiting.
+            # Also kills what the worker left behind in its group after exiting; its zombie
+            # still holds the group id, so the signal cannot reach an unrelated process.
             _signal_group(worker.process, signal.SIGKILL)
         for worker in self.workers:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                worker.process.wait(timeout=10)
+                worker.process.wait(timeout=10)  # reaps: from here the group id is free
+            if worker.exit_code is None:
+                worker.exit_code = worker.process.returncode
             for thread in worker.threads:
                 thread.join(timeout=2)
 
@@ -430,7 +456,7 @@ class _Group:
                 self.relay.write(self.err, f"  [worker {worker.index}] {line}")
 
     def report_failure(self, worker: _Worker) -> None:
-        status = _describe_status(int(worker.process.returncode))
+        status = _describe_status(int(worker.exit_code))  # type: ignore[arg-type]
         others = ", ".join(f"worker {w.index}" for w in self.workers if w is not worker)
         self.note(f"{worker.label} {status}{f'; stopped {others}' if others else ''}")
         self.print_tail(worker)

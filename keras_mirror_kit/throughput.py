@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from keras_mirror_kit.batching import validate_positive_int
+from keras_mirror_kit.batching import validate_non_negative_int, validate_positive_int
 
 __all__ = ["FIGURE_KEYS", "ThroughputMeter", "validate_baseline"]
 
@@ -55,17 +55,6 @@ class _Tally:
     def add(self, steps: int, seconds: float) -> None:
         self.steps += steps
         self.seconds += seconds
-
-
-def _validate_non_negative_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"`{name}` must be a non-negative integer. Received: {name}={value!r} "
-            f"(of type {type(value).__name__})"
-        )
-    if value < 0:
-        raise ValueError(f"`{name}` must be a non-negative integer. Received: {name}={value}")
-    return int(value)
 
 
 def validate_baseline(value: object) -> float | None:
@@ -169,7 +158,7 @@ class ThroughputMeter:
         self._global_batch_size = validate_positive_int("global_batch_size", global_batch_size)
         self._num_replicas = validate_positive_int("num_replicas", num_replicas)
         self._num_workers = validate_positive_int("num_workers", num_workers)
-        self._warmup_steps = _validate_non_negative_int("warmup_steps", warmup_steps)
+        self._warmup_steps = validate_non_negative_int("warmup_steps", warmup_steps)
         self._baseline = validate_baseline(baseline_samples_per_sec)
         if not callable(clock):
             raise TypeError(f"`clock` must be callable. Received: clock={clock!r}")

@@ -1,6 +1,7 @@
 """Training job run by the multi-worker tests, through `keras-mirror-kit launch` or alone.
 
 Usage: python -m tests.mw_child OUT_DIR [--epochs N] [--ckpt DIR] [--save-freq F]
+       (in DIR, "{rank}" is replaced by the worker's rank)
            [--die-rank R --die-epoch E --die-at-batch B] [--delay-rank R --delay S]
            [--spawn-grandchild] [--probe-upstream]
 
@@ -162,6 +163,7 @@ def main() -> int:
     callbacks: list = [Record()]
     events: list[list[str]] = []
     if args.ckpt:
+        args.ckpt = args.ckpt.replace("{rank}", str(rank))  # a per-worker (unshared) dir
         save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
         callbacks.insert(
             0, SyncedCheckpoint(args.ckpt, save_freq=save_freq, keep=100, dataset=dataset)

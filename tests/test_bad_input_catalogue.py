@@ -119,6 +119,27 @@ def with_tf_config(raw: str) -> Callable[[], object]:
     return trigger_with_env
 
 
+def dataset_without_seed_in_a_multi_worker_run():
+    import os
+
+    os.environ["TF_CONFIG"] = (
+        '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
+        '"task": {"type": "worker", "index": 0}}'
+    )
+    try:
+        kmk.make_dataset(X, Y, 16)
+    finally:
+        del os.environ["TF_CONFIG"]
+
+
+def restore_false_over_old_checkpoints(tmp: Path):
+    model = kit_model()
+    ds = kmk.make_dataset(X, Y, 16, seed=0)
+    model.fit(ds, epochs=1, verbose=0, callbacks=[kmk.SyncedCheckpoint(tmp, dataset=ds)])
+    Steps.count = 0
+    fit(kit_model(), [kmk.SyncedCheckpoint(tmp, restore=False)])
+
+
 def subprocess_error(code: str, env: dict[str, str] | None = None) -> Callable[[], None]:
     def trigger():
         proc = run_python(code, check=False, env=env)
@@ -210,6 +231,12 @@ CASES = [
          "is not a directory", needs_tmp=True),
     Case("checkpoint written by another model", checkpoint_of_another_model,
          kmk.CheckpointError, "does not match this model", needs_tmp=True),
+    Case("restore=False over an earlier run's checkpoints",
+         restore_false_over_old_checkpoints, kmk.CheckpointError,
+         "restore=False would start a new run", needs_tmp=True),
+    Case("make_dataset without a seed in a multi-worker run",
+         dataset_without_seed_in_a_multi_worker_run, ValueError,
+         "needs a `seed` in a multi-worker run"),
     Case("SyncedCheckpoint(dataset=) with steps_per_epoch",
          lambda: fit(kit_model(), [kmk.SyncedCheckpoint(
              "c", dataset=kmk.make_dataset(X, Y, 16, seed=0))], steps_per_epoch=2,

@@ -70,31 +70,3 @@ def test_one_and_two_replicas_reach_the_same_weights(name, optimizer_factory, to
     assert moved > 100 * tolerance  # training really changed the weights
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(weights1, weights2))
     assert diff < tolerance, f"{name}: max |w1 - w2| = {diff:.3g}"
-
-
-def test_a_wrong_global_batch_would_be_caught():
-    """The comparison above can fail: 2 replicas each fed the full 128 diverge."""
-    opt = lambda: keras.optimizers.SGD(0.05)  # noqa: E731
-    _, start, weights1 = _train(["/cpu:0"], opt)
-
-    @kmk.distributed(per_replica_batch_size=GLOBAL_BATCH)  # global 256: batch not split
-    def build():
-        model = keras.Sequential(
-            [
-                keras.Input((8, 8, 3)),
-                keras.layers.Conv2D(8, 3, activation="relu"),
-                keras.layers.MaxPooling2D(2),
-                keras.layers.Flatten(),
-                keras.layers.Dense(16, activation="relu"),
-                keras.layers.Dense(3, activation="softmax"),
-            ]
-        )
-        model.compile(optimizer=opt(), loss="sparse_categorical_crossentropy")
-        return model
-
-    model = build()
-    model.set_weights(start)
-    x, y = _data()
-    model.fit(kmk.make_dataset(x, y, 256, seed=5, preprocess=kmk.rescale()), verbose=0)
-    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(weights1, model.get_weights()))
-    assert diff > 1e-4

@@ -748,3 +748,24 @@ def test_multi_worker_strategy_without_a_cluster_is_one_worker():
         timeout=120,
     )
     assert last_json(proc) == [1, 1, True, "collective-ring", False]
+
+
+@pytest.mark.timeout(600)
+def test_workers_that_do_not_share_the_checkpoint_directory_fail_clearly(
+    tmp_path, ckpt_dir, first_run
+):
+    """Worker 0 sees a checkpoint, worker 1 an empty directory: resuming would desync the
+    workers (or hang a collective), so both stop with a clear error before any step."""
+    import shutil
+
+    shutil.copytree(ckpt_dir, tmp_path / "ckpt-0")
+    (tmp_path / "ckpt-1").mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    proc, _ = _launch(out, "--epochs", "2", "--ckpt", str(tmp_path / "ckpt-{rank}"),
+                      launcher_args=("--grace", "3"), timeout=180)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "would resume from different checkpoints" in text
+    assert "on a filesystem shared by all workers" in text
+    assert not (out / "result-0.json").exists() and not (out / "result-1.json").exists()

@@ -298,3 +298,64 @@ def test_no_warning_on_a_clean_resume(tmp_path):
         warnings.simplefilter("error", CorruptCheckpointWarning)
         build("sgd").fit(ds, epochs=2, verbose=0,
                          callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+
+
+def test_a_random_shuffle_seed_is_saved_and_reused_on_resume(tmp_path):
+    x, y = data()
+    model, ds = build("sgd"), kmk.make_dataset(x, y, 16)  # seed drawn at random
+    crashed_seed = kmk.cursor_of(ds).seed
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(ds, epochs=3, verbose=0, callbacks=[
+            SyncedCheckpoint(tmp_path, save_freq=1, dataset=ds), StopAt(1, 2)])
+    again = kmk.make_dataset(x, y, 16)
+    assert kmk.cursor_of(again).seed != crashed_seed  # a new random draw...
+    checkpoint, counter = SyncedCheckpoint(tmp_path, save_freq=1, dataset=again), CountBatches()
+    build("sgd", seed=4).fit(again, epochs=3, verbose=0, callbacks=[checkpoint, counter])
+    assert kmk.cursor_of(again).seed == crashed_seed  # ...replaced by the checkpoint's
+    assert checkpoint.last_restored.meta["data_seed"] == crashed_seed
+    assert counter.batches == 3 + 6  # the rest of epoch 1, then epoch 2
+
+
+def test_an_interrupted_fit_does_not_leave_the_resume_epoch_behind(tmp_path):
+    model, ds = build("sgd"), dataset()
+    model.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    fresh, checkpoint = build("sgd", seed=5), SyncedCheckpoint(tmp_path, dataset=ds)
+    with pytest.raises(KeyboardInterrupt):  # resumes at epoch 2, then is interrupted
+        fresh.fit(ds, epochs=4, verbose=0, callbacks=[checkpoint, StopAt(2, 1)])
+    assert fresh._initial_epoch == 2  # noqa: SLF001  (Keras skipped on_train_end)
+    counter = CountBatches()
+    fresh.fit(ds, epochs=1, verbose=0, callbacks=[checkpoint, counter])
+    assert counter.batches == 6  # a normal later fit: epoch 0 runs, nothing skipped
+
+
+def test_mid_epoch_resume_into_another_replica_count_skips_the_consumed_samples(
+    tmp_path, caplog
+):
+    x, y = data()
+    caplog.set_level(logging.INFO, logger="keras_mirror_kit")
+
+    def model_on(devices):
+        @kmk.distributed(per_replica_batch_size=8, devices=devices)
+        def factory():
+            keras.utils.set_random_seed(3)
+            m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+            m.compile(optimizer="sgd",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            return m
+
+        return factory(), factory.distribution.global_batch_size
+
+    two, batch = model_on(None)  # 2 replicas: global batch 16, 6 batches per epoch
+    ds = kmk.make_dataset(x, y, batch, seed=1)
+    with pytest.raises(KeyboardInterrupt):
+        two.fit(ds, epochs=2, verbose=0, callbacks=[
+            SyncedCheckpoint(tmp_path, save_freq=2, dataset=ds), StopAt(1, 3)])
+    one, batch = model_on(["/cpu:0"])  # 1 replica: global batch 8, 12 batches per epoch
+    ds = kmk.make_dataset(x, y, batch, seed=1)
+    checkpoint, counter = SyncedCheckpoint(tmp_path, save_freq=2, dataset=ds), CountBatches()
+    one.fit(ds, epochs=2, verbose=0, callbacks=[checkpoint, counter])
+    assert (checkpoint.last_restored.meta["epoch"], checkpoint.last_restored.meta["step"]) == (
+        1, 4)
+    resumed = [r.getMessage() for r in caplog.records if "resumed from" in r.getMessage()]
+    assert "(epoch 1, batch 8," in resumed[-1]  # 4 batches of 16 = 8 batches of 8
+    assert counter.batches == 12 - 8  # only the 32 samples not yet trained in epoch 1

@@ -20,9 +20,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_mirror_kit.callbacks.progress import steps_done
 from keras_mirror_kit.checkpoint_store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.data import DatasetCursor, cursor_of
-from keras_mirror_kit.distribution import distribution_of
+from keras_mirror_kit.distribution import distribution_of, is_chief
 
 __all__ = ["ReplicaDivergenceError", "SyncedCheckpoint"]
 
@@ -167,16 +168,19 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         return self.model.distribute_strategy
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        # A fit() interrupted by an exception never reached on_train_end: clear its epoch.
+        self.model._initial_epoch = None  # noqa: SLF001
         self._reset_run_state()
-        dist = distribution_of(self.model)
-        if dist is not None:
-            self._is_chief = dist.is_chief
-        else:
-            self._is_chief = bool(getattr(self._strategy.extended, "should_checkpoint", True))
+        self._is_chief = is_chief(self.model)
         if self._is_chief:
             self._store.prepare()
-        elif not self.directory.is_dir() and self.restore:
-            logger.debug("keras-mirror-kit: checkpoint directory not visible on this worker")
+            if not self.restore and self._store.entries():
+                raise CheckpointError(
+                    f"The checkpoint directory {str(self.directory)!r} already holds "
+                    "checkpoints, and restore=False would start a new run whose saves rotate "
+                    "them away. Use a new directory, remove the old checkpoints yourself, or "
+                    f"pass restore=True to continue from them. Received: restore=False"
+                )
         if self._cursor is not None:
             steps = self.params.get("steps") if self.params else None
             if steps is not None and steps != self._cursor.num_batches:
@@ -189,6 +193,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._build_optimizer()
         if self.restore and self.model not in self._restored:
             self._restore()
+            self._check_workers_agree()
         self._restored.add(self.model)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
@@ -202,9 +207,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         # With steps_per_execution > 1 Keras reports the last step of each execution (past
         # the end of the epoch for a partial last execution).
         num_batches = self._epoch_length()
-        done = self._epoch_skip + batch + 1
-        if num_batches is not None:
-            done = min(done, num_batches)
+        done = steps_done(batch, num_batches, offset=self._epoch_skip)
         self._steps_in_fit += done - self._steps_in_epoch
         self._steps_in_epoch = done
         if self._epoch_skip and num_batches is not None and done >= num_batches:
@@ -282,6 +285,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             "epoch_end": bool(epoch_end),
             "global_step": global_step,
             "num_replicas": int(self._strategy.num_replicas_in_sync),
+            "global_batch_size": self._global_batch_size(),
+            "epoch_length": self._epoch_length(),
+            "steps_per_execution": int(getattr(self.model, "steps_per_execution", 1) or 1),
+            "data_seed": self._cursor.seed if self._cursor is not None else None,
             "variables": paths,
         }
         path = self._store.write(arrays, meta)
@@ -335,19 +342,19 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     # -- restore -----------------------------------------------------------------------------
 
     def _restore(self) -> None:
-        mid_epoch_ok = self._cursor is not None
-        per_execution = int(getattr(self.model, "steps_per_execution", 1) or 1)
-        if mid_epoch_ok and self._cursor.num_batches % per_execution:  # type: ignore[union-attr]
-            # The resumed epoch's last execution would read past its remaining batches.
-            mid_epoch_ok = False
-            logger.info(
-                "keras-mirror-kit: %d batches per epoch is not a multiple of "
-                "steps_per_execution=%d, so the resume starts at the newest epoch boundary",
-                self._cursor.num_batches,  # type: ignore[union-attr]
-                per_execution,
-            )
         had_any = bool(self._store.entries())
-        loaded = self._store.load_latest(require_epoch_end=not mid_epoch_ok)
+        loaded = self._store.load_latest(require_epoch_end=self._cursor is None)
+        skip = 0
+        if loaded is not None and loaded.meta.get("step"):
+            skip_or_reason = self._mid_epoch_skip(loaded.meta)
+            if isinstance(skip_or_reason, str):
+                logger.info(
+                    "keras-mirror-kit: %s, so the resume starts at the newest epoch boundary",
+                    skip_or_reason,
+                )
+                loaded = self._store.load_latest(require_epoch_end=True)
+            else:
+                skip = skip_or_reason
         if loaded is None:
             if had_any:
                 logger.warning(
@@ -357,18 +364,88 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             return
         self._apply(loaded)
         meta = loaded.meta
-        epoch, step = int(meta["epoch"]), int(meta["step"])
-        if step:
-            self._resume_epoch, self._resume_skip = epoch, step
+        epoch = int(meta["epoch"])
+        if skip:
+            self._resume_epoch, self._resume_skip = epoch, skip
+        if self._cursor is not None and meta.get("data_seed") is not None:
+            saved_seed = int(meta["data_seed"])
+            if self._cursor.seed_given and saved_seed != self._cursor.seed:
+                logger.warning(
+                    "keras-mirror-kit: the dataset's seed %d differs from the checkpoint's "
+                    "%d; the checkpoint's is used so the resumed epochs see the same order",
+                    self._cursor.seed,
+                    saved_seed,
+                )
+            self._cursor.set_seed(saved_seed)
         self.model._initial_epoch = epoch  # noqa: SLF001
         self.last_restored = loaded
         logger.info(
             "keras-mirror-kit: resumed from %s (epoch %d, batch %d, saved with %s replica(s))",
             loaded.path,
             epoch,
-            step,
+            skip,
             meta.get("num_replicas"),
         )
+
+    def _mid_epoch_skip(self, meta: dict[str, Any]) -> int | str:
+        """Batches of the saved epoch to skip now, or why an exact resume is impossible.
+
+        The order is a permutation of samples, so consumed *samples* carry over to another
+        global batch size (another replica count) when they fill whole new batches.
+        """
+        cursor = self._cursor
+        assert cursor is not None
+        per_execution = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        if cursor.num_batches % per_execution:
+            return (
+                f"{cursor.num_batches} batches per epoch is not a multiple of "
+                f"steps_per_execution={per_execution}"
+            )
+        step, saved_batch = int(meta["step"]), meta.get("global_batch_size")
+        batch = self._global_batch_size()
+        if saved_batch is None or batch is None or saved_batch == batch:
+            skip = step  # same batches (a model the kit did not build: assumed unchanged)
+        elif (step * saved_batch) % batch:
+            return (
+                f"the {step} batches of {saved_batch} consumed at save time are not a whole "
+                f"number of batches of {batch}"
+            )
+        else:
+            skip = step * saved_batch // batch
+        if skip % per_execution or skip >= cursor.num_batches:
+            return (
+                f"{skip} consumed batches do not end on a steps_per_execution="
+                f"{per_execution} boundary inside the {cursor.num_batches}-batch epoch"
+            )
+        return skip
+
+    def _global_batch_size(self) -> int | None:
+        dist = distribution_of(self.model)
+        if dist is not None:
+            return dist.global_batch_size
+        return None
+
+    def _check_workers_agree(self) -> None:
+        """Every worker must resume from the same point, or collectives mismatch or hang."""
+        dist = distribution_of(self.model)
+        if dist is None or dist.num_workers < 2:
+            return
+        meta = self.last_restored.meta if self.last_restored is not None else {}
+        mine = [
+            int(meta.get("epoch", -1)),
+            self._resume_skip,
+            int(meta.get("global_step") or -1),
+        ]
+        strategy = self._strategy
+        per_replica = strategy.run(lambda: tf.constant([mine], tf.int64))
+        rows = np.asarray(strategy.gather(per_replica, axis=0))
+        if not (rows == rows[0]).all():
+            raise CheckpointError(
+                "The workers would resume from different checkpoints (epoch, batch, step "
+                f"per replica: {rows.tolist()}). Every worker must see the same checkpoint "
+                f"directory: put {str(self.directory)!r} on a filesystem shared by all "
+                f"workers. Received: directory={str(self.directory)!r}"
+            )
 
     def _apply(self, loaded: LoadedCheckpoint) -> None:
         named = self._state_variables()

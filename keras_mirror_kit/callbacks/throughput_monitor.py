@@ -12,11 +12,11 @@ from typing import Any
 
 import keras
 
-from keras_mirror_kit.batching import validate_positive_int
-from keras_mirror_kit.distribution import distribution_of
+from keras_mirror_kit.batching import validate_non_negative_int, validate_positive_int
+from keras_mirror_kit.callbacks.progress import steps_done
+from keras_mirror_kit.distribution import distribution_of, is_chief
 from keras_mirror_kit.throughput import (
     ThroughputMeter,
-    _validate_non_negative_int,
     validate_baseline,
 )
 
@@ -120,7 +120,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
             validate_positive_int("num_replicas", num_replicas)
         if log_every_n_steps is not None:
             validate_positive_int("log_every_n_steps", log_every_n_steps)
-        _validate_non_negative_int("warmup_steps", warmup_steps)
+        validate_non_negative_int("warmup_steps", warmup_steps)
         self._global_batch_size = global_batch_size
         self._num_replicas = num_replicas
         self._warmup_steps = warmup_steps
@@ -197,8 +197,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Resolves batch size and replicas (or raises `ValueError`) and restarts warm-up."""
         global_batch_size, replicas, workers = self._resolve()
-        dist = distribution_of(self.model)
-        self._is_chief = dist.is_chief if dist is not None else True
+        self._is_chief = is_chief(self.model)
         self._meter = ThroughputMeter(
             global_batch_size,
             num_replicas=replicas,
@@ -236,8 +235,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
             return
         # With steps_per_execution=N, Keras calls this once per execution with the index of
         # its last step, even when the epoch's last execution runs fewer than N steps.
-        steps_per_epoch = (self.params or {}).get("steps")
-        index = min(batch, steps_per_epoch - 1) if steps_per_epoch else batch
+        index = steps_done(batch, (self.params or {}).get("steps")) - 1
         n_steps = index - self._last_batch
         if n_steps <= 0:  # indices restarted without on_epoch_begin
             n_steps = max(1, min(index + 1, self._steps_per_execution))

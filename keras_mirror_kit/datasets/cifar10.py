@@ -475,12 +475,19 @@ def _download(
                 expected=sha256,
                 actual=actual,
             )
-        if dest.exists():
-            # Appeared while downloading (another process?): keep theirs, drop ours.
+        os.chmod(tmp, 0o644)
+        try:
+            # A hard link never replaces an existing file, unlike os.replace: a file that
+            # appeared while downloading (another process?) is kept, and ours dropped.
+            os.link(tmp, dest)
+        except FileExistsError:
             logger.warning("%s appeared during the download; keeping it.", dest)
             return
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
+        except OSError:  # a filesystem without hard links: check, then rename
+            if dest.exists():
+                logger.warning("%s appeared during the download; keeping it.", dest)
+                return
+            os.replace(tmp, dest)
         logger.info("Saved %s (sha256 %s)", dest, actual)
     finally:
         # Only ever removes the temporary file created above.

@@ -25,7 +25,9 @@ except ImportError as err:  # pragma: no cover - exercised in a subprocess test
     ) from err
 
 from keras_mirror_kit._version import __version__
-from keras_mirror_kit.distribution import Distribution, distribution_of
+from keras_mirror_kit.batching import validate_positive_int
+from keras_mirror_kit.callbacks.progress import steps_done
+from keras_mirror_kit.distribution import Distribution, distribution_of, is_chief
 
 __all__ = ["WandbLogger"]
 
@@ -141,16 +143,7 @@ class WandbLogger(keras.callbacks.Callback):
     ) -> None:
         super().__init__()
         if log_every_n_batches is not None:
-            if isinstance(log_every_n_batches, bool) or not isinstance(log_every_n_batches, int):
-                raise TypeError(
-                    "`log_every_n_batches` must be a positive integer or None. "
-                    f"Received: log_every_n_batches={log_every_n_batches!r}"
-                )
-            if log_every_n_batches <= 0:
-                raise ValueError(
-                    "`log_every_n_batches` must be a positive integer or None. "
-                    f"Received: log_every_n_batches={log_every_n_batches}"
-                )
+            validate_positive_int("log_every_n_batches", log_every_n_batches)
         if upload_checkpoints and checkpoint_dir is None:
             raise ValueError(
                 "`upload_checkpoints=True` needs the directory the checkpoints are written "
@@ -208,8 +201,7 @@ class WandbLogger(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Starts or joins the run (chief only) and records the distribution in its config."""
-        dist = distribution_of(self.model)
-        if dist is not None and not dist.is_chief:
+        if not is_chief(self.model):
             logger.debug("WandbLogger: not the chief worker, logging nothing to W&B.")
             self._active = False
             self._owns_run = False
@@ -230,7 +222,7 @@ class WandbLogger(keras.callbacks.Callback):
         self._run = run
         self._active = True
         self._epoch_start_step = self._batch_step
-        run.config.update(_run_config(dist), allow_val_change=True)
+        run.config.update(_run_config(distribution_of(self.model)), allow_val_change=True)
         run.define_metric("epoch")
         if self.log_every_n_batches is not None:
             run.define_metric(_BATCH_STEP)
@@ -240,7 +232,9 @@ class WandbLogger(keras.callbacks.Callback):
         """Logs the batch logs under `batch/` every `log_every_n_batches` steps."""
         if not self._active:
             return
-        self._batch_step = self._epoch_start_step + int(batch) + 1
+        self._batch_step = self._epoch_start_step + steps_done(
+            batch, (self.params or {}).get("steps")
+        )
         n = self.log_every_n_batches
         if n is None or self._batch_step - self._last_logged_step < n:
             return
