@@ -67,6 +67,8 @@ def main() -> int:
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--spawn-grandchild", action="store_true")
     parser.add_argument("--probe-upstream", action="store_true")
+    parser.add_argument("--observe", help="add ThroughputMonitor and an offline WandbLogger "
+                        "writing under this directory")
     args = parser.parse_args()
     rank = _rank()
     result: dict = {"rank": rank, "pid": os.getpid()}
@@ -161,6 +163,17 @@ def main() -> int:
             )
 
     callbacks: list = [Record()]
+    if args.observe:
+        from keras_mirror_kit.integrations.wandb import WandbLogger
+
+        os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true",
+                          WANDB_DATA_DIR=os.path.join(args.observe, f"data-{rank}"),
+                          WANDB_CACHE_DIR=os.path.join(args.observe, f"cache-{rank}"),
+                          WANDB_CONFIG_DIR=os.path.join(args.observe, f"config-{rank}"))
+        run_dir = os.path.join(args.observe, f"runs-{rank}")
+        os.makedirs(run_dir, exist_ok=True)
+        callbacks = [kmk.ThroughputMonitor(warmup_steps=1), *callbacks,
+                     WandbLogger(project="kmk-mw-test", dir=run_dir)]
     events: list[list[str]] = []
     if args.ckpt:
         args.ckpt = args.ckpt.replace("{rank}", str(rank))  # a per-worker (unshared) dir
@@ -185,6 +198,10 @@ def main() -> int:
             else None
         ),
     )
+    if args.observe:
+        import wandb
+
+        wandb.teardown()
     np.savez(os.path.join(args.out, f"weights-{rank}.npz"), **weights)
     with open(os.path.join(args.out, f"result-{rank}.json"), "w") as handle:
         json.dump(result, handle)

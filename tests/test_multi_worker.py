@@ -556,7 +556,8 @@ def ckpt_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory, ckpt_dir):
     out = tmp_path_factory.mktemp("first")
-    proc, _ = _launch(out, "--epochs", "1", "--ckpt", str(ckpt_dir), "--save-freq", "3")
+    proc, _ = _launch(out, "--epochs", "1", "--ckpt", str(ckpt_dir), "--save-freq", "3",
+                      "--observe", str(out / "observe"))
     _ok(proc)
     return out, sorted(p.name for p in ckpt_dir.iterdir())
 
@@ -612,7 +613,12 @@ def test_two_workers_train_like_one_process_with_two_replicas(reference, first_r
     # Every worker logs the global loss (all-reduced), equal to the single-process one.
     assert results[0]["losses"] == results[1]["losses"]
     np.testing.assert_allclose(results[0]["losses"], ref["losses"][:8], atol=TOLERANCE)
-    assert results[0]["epoch_logs"] == results[1]["epoch_logs"]
+    def metrics(result):  # the training metrics; throughput is timing, per worker clock
+        return [{k: v for k, v in logs.items() if k in ("loss", "accuracy")}
+                for logs in result["epoch_logs"]]
+
+    assert metrics(results[0]) == metrics(results[1])
+    assert metrics(results[0])[0]["loss"] > 0
 
 
 @pytest.mark.timeout(600)
@@ -769,3 +775,19 @@ def test_workers_that_do_not_share_the_checkpoint_directory_fail_clearly(
     assert "would resume from different checkpoints" in text
     assert "on a filesystem shared by all workers" in text
     assert not (out / "result-0.json").exists() and not (out / "result-1.json").exists()
+
+
+def test_throughput_and_wandb_in_a_real_two_worker_run(first_run):
+    """Per-worker figures on every worker; a W&B run (offline) on the chief only."""
+    out, _ = first_run
+    results = _results(out)
+    for result in results:
+        logs = result["epoch_logs"][-1]
+        assert logs["samples_per_sec"] > 0
+        assert logs["samples_per_sec_per_worker"] == pytest.approx(logs["samples_per_sec"] / 2)
+        assert logs["samples_per_sec_per_replica"] == pytest.approx(
+            logs["samples_per_sec"] / 2)  # 2 replicas in all, one per worker
+    chief_runs = list((out / "observe" / "runs-0").rglob("run-*.wandb"))
+    assert len(chief_runs) == 1
+    assert not list((out / "observe" / "runs-1").rglob("*.wandb"))  # the worker logs nothing
+    assert not (out / "observe" / "runs-1" / "wandb").exists()
