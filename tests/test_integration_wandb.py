@@ -26,7 +26,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit.distribution import Distribution, register_model
+from keras_mirror_kit.distribution import Distribution
 from tests.subproc import REPO, last_json, run_python
 
 wandb = pytest.importorskip("wandb")
@@ -364,31 +364,8 @@ def test_model_not_built_by_the_kit_counts_as_chief(tmp_path):
     assert [row["epoch"] for row in user_rows(logged.history)] == [1]
 
 
-def test_non_chief_logs_nothing_and_never_starts_a_run(tmp_path):
-    class WorkerStrategy:  # a multi-worker strategy seen from a non-chief worker
-        num_replicas_in_sync = 2
-        extended = SimpleNamespace(should_checkpoint=False, worker_devices=("/cpu:0",))
-
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    model.compile(optimizer="sgd", loss="mse")
-    dist = Distribution(WorkerStrategy(), per_replica_batch_size=8, cross_device_ops="ring")
-    register_model(model, dist)
-    assert not dist.is_chief and kmk.distribution_of(model) is dist
-
-    checkpoints = tmp_path / "ckpt"
-    logger = WandbLogger(
-        dir=tmp_path / "runs",
-        mode="offline",
-        log_every_n_batches=1,
-        upload_checkpoints=True,
-        checkpoint_dir=checkpoints,
-        settings=quiet_settings(),
-    )
-    fit(model, [WritesCheckpoints(checkpoints), logger], epochs=1)
-
-    assert wandb.run is None
-    assert logger.run is None
-    assert not (tmp_path / "runs").exists()
+# The non-chief case runs for real, with two workers on loopback:
+# tests/test_multi_worker.py::test_throughput_and_wandb_in_a_real_two_worker_run.
 
 
 def test_uploads_checkpoints_as_model_artifacts(tmp_path):
