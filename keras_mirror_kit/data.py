@@ -248,7 +248,7 @@ def make_dataset(
         num_replicas: Replicas the batches are split over, used to check that a kept
             partial batch leaves no replica empty; defaults to the active strategy's, or
             else to the largest replica count of the `Distribution`s created so far.
-        prefetch: Add an autotuned `prefetch` at the end.
+        prefetch: Add a `prefetch(tf.data.AUTOTUNE)` at the end.
 
     Returns:
         A `tf.data.Dataset` of `(x_batch, y_batch)` (or `x_batch`) with known cardinality,

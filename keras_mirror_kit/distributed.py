@@ -24,6 +24,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import keras
 import tensorflow as tf
 
+from keras_mirror_kit import keras_fit_stall
 from keras_mirror_kit.batch_norm import synchronize_batch_norm
 from keras_mirror_kit.batching import per_replica_batch_size as split_global_batch
 from keras_mirror_kit.batching import validate_positive_int
@@ -244,6 +245,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         stack = ExitStack()
         stack.enter_context(activate(dist))
         stack.enter_context(policy_scope(self._mixed_precision))
+        stack.enter_context(keras_fit_stall.per_device_autotune_disabled())
         self._contexts.append(stack)
         return dist
 
@@ -312,6 +314,7 @@ class DistributedFactory(Generic[P, R]):
         else:
             _compile_inside_scope(model, dist, steps)  # type: ignore[arg-type]
         install_fit_guard(model)  # type: ignore[arg-type]
+        keras_fit_stall.apply(model)  # no tf.data autotuning thread: see keras_fit_stall
         return model
 
     def __repr__(self) -> str:
