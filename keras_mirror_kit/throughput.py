@@ -302,7 +302,7 @@ class ThroughputMeter:
         self._mark = now
         self._state = _RUNNING
 
-    def step(self, n_steps: int = 1) -> bool:
+    def step(self, n_steps: int = 1, now: float | None = None) -> bool:
         """Records that `n_steps` training steps have just finished.
 
         The running time since the previous `step()` (or since the clock started), less
@@ -334,10 +334,13 @@ class ThroughputMeter:
                 "start_epoch() before the first step of an epoch and resume() after "
                 f"pause(). Received: n_steps={n_steps}"
             )
-        now = self._clock()
-        elapsed = self._pending + (now - self._mark)
+        stamp = self._clock() if now is None else min(now, self._clock())
+        elapsed = self._pending + (stamp - self._mark)
         self._pending = 0.0
-        self._mark = now
+        self._mark = stamp
+        return self._attribute(n_steps, elapsed)
+
+    def _attribute(self, n_steps: int, elapsed: float) -> bool:
         if self.in_warmup:
             self._warmup.add(n_steps, elapsed)
             return False

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror_kit.callbacks.progress import steps_done
+from keras_mirror_kit.callbacks.progress import skip_batch_end, steps_done
 from keras_mirror_kit.checkpoint_store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.data import DatasetCursor, cursor_of
 from keras_mirror_kit.distribution import distribution_of, is_chief
@@ -55,7 +55,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     newest checkpoint is reported with a warning and the previous good one is used. The
     checkpoint may come from a run with another replica count.
 
-    With an integer `save_freq`, checkpoints are also written every `save_freq` batches.
+    With `save_freq="epoch"` the callback does nothing per batch (so Keras keeps dispatching
+    batch ends asynchronously, without a device sync per step) and resumes at epoch
+    boundaries. With an integer `save_freq`, checkpoints are also written every `save_freq`
+    batches.
     Given `dataset=` (a dataset built by `kmk.make_dataset`), a run resumes exactly where
     it stopped, mid-epoch: the consumed batches of that epoch are skipped and the epoch
     ends after its remaining batches, so no batch is trained twice. Without it, Keras
@@ -147,6 +150,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._cursor: DatasetCursor | None = cursor
         self._restored: weakref.WeakSet[Any] = weakref.WeakSet()
         self._reset_run_state()
+        if save_freq == "epoch":
+            # Nothing to do per batch: let Keras dispatch batch ends asynchronously (no
+            # device sync per step). Resumes then start at epoch boundaries only.
+            skip_batch_end(self)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -343,7 +350,9 @@ class SyncedCheckpoint(keras.callbacks.Callback):
 
     def _restore(self) -> None:
         had_any = bool(self._store.entries())
-        loaded = self._store.load_latest(require_epoch_end=self._cursor is None)
+        loaded = self._store.load_latest(
+            require_epoch_end=self._cursor is None or self.save_freq == "epoch"
+        )
         skip = 0
         if loaded is not None and loaded.meta.get("step"):
             skip_or_reason = self._mid_epoch_skip(loaded.meta)

@@ -8,12 +8,13 @@ reads a tensor, so it adds no device synchronisation to the training loop.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import keras
 
 from keras_mirror_kit.batching import validate_non_negative_int, validate_positive_int
-from keras_mirror_kit.callbacks.progress import steps_done
+from keras_mirror_kit.callbacks.progress import skip_batch_end, steps_done
 from keras_mirror_kit.distribution import distribution_of, is_chief
 from keras_mirror_kit.throughput import (
     ThroughputMeter,
@@ -133,6 +134,16 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._last_batch = -1
         self._steps_in_fit = 0
         self._steps_per_execution = 1
+        # Count at batch *begins* unless batch logs are wanted: then Keras can dispatch
+        # batch ends in its background thread and never waits for a step's logs (a device
+        # sync) on the main thread. A custom loop that calls only on_train_batch_end still
+        # counts there.
+        self._begins_seen = False
+        self._counted = 0  # steps of the current epoch already given to the meter
+        self._last_begin = -1
+        self._end_stamp: tuple[int, float] | None = None  # (batch, time) of the last end
+        if log_every_n_steps is None:
+            skip_batch_end(self, fallback=self._batch_end_without_begins)
 
     @property
     def last(self) -> dict[str, float]:
@@ -209,19 +220,68 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._training = True
         self._steps_in_fit = 0
         self._last_batch = -1
+        self._begins_seen = False
         spe = getattr(self.model, "steps_per_execution", 1)
         self._steps_per_execution = spe if isinstance(spe, int) and spe > 0 else 1
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         """Arms the epoch: its clock starts with its first training step."""
         self._last_batch = -1
+        self._counted = 0
+        self._last_begin = -1
+        self._end_stamp = None
         self._epoch_pending = self._meter is not None
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        """Starts the epoch's clock at its first step (after Keras made the input iterator)."""
-        if self._epoch_pending and self._meter is not None:
+        """Starts the epoch's clock at its first step; then counts the steps done before."""
+        meter = self._meter
+        if meter is None:
+            return
+        self._begins_seen = True
+        if self._epoch_pending:
             self._epoch_pending = False
-            self._meter.start_epoch()
+            meter.start_epoch()
+        elif self._log_every_n_steps is None and meter.running and batch > self._counted:
+            # The executions before this one have returned: `batch` steps are done.
+            self._count(batch - self._counted)
+            self._counted = batch
+        self._last_begin = batch
+
+    def _count(self, n_steps: int) -> None:
+        assert self._meter is not None
+        self._meter.step(n_steps)
+        self._steps_in_fit += n_steps
+
+    def _finish_counting(self) -> None:
+        """Counts the epoch's last execution (after Keras synced its logs)."""
+        meter = self._meter
+        if (
+            meter is None
+            or self._log_every_n_steps is not None
+            or not self._begins_seen
+            or not meter.running
+            or self._last_begin < 0
+        ):
+            return
+        last = self._last_begin + self._steps_per_execution - 1
+        done = steps_done(last, (self.params or {}).get("steps"))
+        if done > self._counted:
+            stamp = self._end_stamp
+            # When that execution ended (Keras' batch-end thread saw its logs); not "now",
+            # which would add the time Keras spent after it (metrics, validation set-up).
+            ended = stamp[1] if stamp is not None and stamp[0] >= self._last_begin else None
+            assert self._meter is not None
+            self._meter.step(done - self._counted, now=ended)
+            self._steps_in_fit += done - self._counted
+            self._counted = done
+
+    def _batch_end_without_begins(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._begins_seen:
+            # In fit: runs in Keras' batch-end thread once the step's logs are ready; only
+            # its time is kept, for the epoch's last execution (see _finish_counting).
+            self._end_stamp = (batch, time.perf_counter())
+        else:  # a custom loop that only reports batch ends
+            ThroughputMonitor.on_train_batch_end(self, batch, logs)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Counts the steps since the last call; every N steps adds figures to `logs`."""
@@ -252,6 +312,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
     def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Pauses the clock for validation inside `fit()`."""
         if self._training and self._meter is not None:
+            self._finish_counting()
             self._meter.pause()
 
     def on_test_end(self, logs: dict[str, Any] | None = None) -> None:
@@ -263,6 +324,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
         """Adds the epoch's figures to `logs` (none if the epoch was all warm-up)."""
         if self._meter is None:
             return
+        self._finish_counting()
         self._meter.stop()
         figures = None if self._epoch_pending else self._meter.epoch_figures()
         self._epoch_pending = False

@@ -26,7 +26,7 @@ except ImportError as err:  # pragma: no cover - exercised in a subprocess test
 
 from keras_mirror_kit._version import __version__
 from keras_mirror_kit.batching import validate_positive_int
-from keras_mirror_kit.callbacks.progress import steps_done
+from keras_mirror_kit.callbacks.progress import skip_batch_end, steps_done
 from keras_mirror_kit.distribution import Distribution, distribution_of, is_chief
 
 __all__ = ["WandbLogger"]
@@ -144,6 +144,8 @@ class WandbLogger(keras.callbacks.Callback):
         super().__init__()
         if log_every_n_batches is not None:
             validate_positive_int("log_every_n_batches", log_every_n_batches)
+        if log_every_n_batches is None:
+            skip_batch_end(self)  # no batch logging: keep Keras' asynchronous batch ends
         if upload_checkpoints and checkpoint_dir is None:
             raise ValueError(
                 "`upload_checkpoints=True` needs the directory the checkpoints are written "
