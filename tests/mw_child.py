@@ -92,16 +92,7 @@ def main() -> int:
     @kmk.distributed(global_batch_size=GLOBAL_BATCH)
     def build():
         keras.utils.set_random_seed(INIT_SEED)
-        model = keras.Sequential(
-            [
-                keras.Input((32, 32, 3)),
-                keras.layers.Conv2D(32, (3, 3), activation="relu"),
-                keras.layers.MaxPooling2D((2, 2)),
-                keras.layers.Flatten(),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(10, activation="softmax"),
-            ]
-        )
+        model = kmk.models.tutorial_cnn()  # the tutorial's CIFAR-10 CNN
         model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
             loss="sparse_categorical_crossentropy",

@@ -118,17 +118,10 @@ def test_invalid_arguments(kwargs: dict[str, object]) -> None:
 def test_tutorial_cnn_learns_it() -> None:
     keras = pytest.importorskip("keras")
     (x_train, y_train), (x_test, y_test) = make_synthetic_cifar10(4000, 1000, seed=0)
+    from keras_mirror_kit.models import tutorial_cnn
+
     keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((32, 32, 3)),
-            keras.layers.Conv2D(32, 3, activation="relu"),
-            keras.layers.MaxPooling2D(2),
-            keras.layers.Flatten(),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10, activation="softmax"),
-        ]
-    )
+    model = tutorial_cnn()
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss="sparse_categorical_crossentropy",
