@@ -12,6 +12,17 @@ __all__ = [
 ]
 
 
+def _validate_int(name: str, value: object, minimum: int, kind: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"`{name}` must be a {kind} integer. Received: {name}={value!r} "
+            f"(of type {type(value).__name__})"
+        )
+    if value < minimum:
+        raise ValueError(f"`{name}` must be a {kind} integer. Received: {name}={value}")
+    return int(value)
+
+
 def validate_positive_int(name: str, value: object) -> int:
     """Checks that `value` is a positive integer (bools are rejected).
 
@@ -32,14 +43,7 @@ def validate_positive_int(name: str, value: object) -> int:
     validate_positive_int("batch_size", 64)  # -> 64
     ```
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"`{name}` must be a positive integer. Received: {name}={value!r} "
-            f"(of type {type(value).__name__})"
-        )
-    if value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value}")
-    return int(value)
+    return _validate_int(name, value, 1, "positive")
 
 
 def validate_non_negative_int(name: str, value: object) -> int:
@@ -62,14 +66,7 @@ def validate_non_negative_int(name: str, value: object) -> int:
     validate_non_negative_int("seed", 0)  # -> 0
     ```
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"`{name}` must be a non-negative integer. Received: {name}={value!r} "
-            f"(of type {type(value).__name__})"
-        )
-    if value < 0:
-        raise ValueError(f"`{name}` must be a non-negative integer. Received: {name}={value}")
-    return int(value)
+    return _validate_int(name, value, 0, "non-negative")
 
 
 def global_batch_size(per_replica_batch_size: int, num_replicas: int) -> int:
