@@ -13,10 +13,9 @@ CIFAR-shaped data, `--epochs` epochs. The paths alternate run by run:
   compiled in `strategy.scope()` (the strategy is given the 2 logical CPUs, as it would
   find 2 GPUs).
 * `kit`: `kmk.distributed()`, `kmk.make_dataset`, `ThroughputMonitor` and
-  `SyncedCheckpoint` every epoch, with `keras_fit_stall.apply(model)` (a no-op once
-  `distributed()` applies it itself).
+  `SyncedCheckpoint` every epoch (`distributed()` applies `keras_fit_stall`).
 * optional, for the diagnosis: `kit-no-workaround` (the kit's path with tf.data autotuning
-  switched back on and no `apply`) and `tutorial-workaround` (the tutorial's pipeline with
+  switched back on and `distributed()`'s `apply` undone) and `tutorial-workaround` (the tutorial's pipeline with
   `without_autotune` and `apply`).
 
 A timestamping callback, last in the list, notes `on_train_end`; the stall is the time from
@@ -47,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _report import say  # benchmarks/_report.py (scripts run from benchmarks/)
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout
@@ -54,12 +55,6 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 PATHS = ("tutorial", "kit", "kit-no-workaround", "tutorial-workaround")
 PER_REPLICA_BATCH = 64
 REPLICAS = 2
-
-
-def say(line: str = "") -> None:
-    """Writes one line of the report to stdout."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 # -- child: one fit() in this fresh process ------------------------------------------------
@@ -131,9 +126,11 @@ def child(path: str, steps: int, epochs: int, result_file: str) -> int:
             kmk.ThroughputMonitor(),
             kmk.SyncedCheckpoint(tmp.name, dataset=train_data),
         ]
-        if path == "kit":
-            keras_fit_stall.apply(model)
-        else:  # kit-no-workaround: autotuning back on (same cursor), methods left as they are
+        if path == "kit-no-workaround":  # distributed() applied the workaround: undo it
+            for method in keras_fit_stall.PATCHED_METHODS:
+                vars(model).pop(method, None)  # back to Keras' own fit/evaluate/predict
+            vars(model).pop(keras_fit_stall._APPLIED_FLAG, None)  # noqa: SLF001
+            # and autotuning back on (same cursor)
             options = tf.data.Options()
             options.autotune.enabled = True
             train_data = train_data.with_options(options)

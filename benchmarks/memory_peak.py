@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _report import say  # benchmarks/_report.py (scripts run from benchmarks/)
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout
@@ -52,12 +54,6 @@ PER_REPLICA_BATCH = 64
 REPLICAS = 2
 TARGET = 1 / 3
 GIB = 1024**3
-
-
-def say(line: str = "") -> None:
-    """Writes one line of the report to stdout."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def peak_bytes() -> int:
@@ -117,9 +113,7 @@ def child(mode: str, steps: int, val_steps: int, result_file: str) -> int:
         def build_model() -> keras.Model:
             return compile_model(kmk.models.tutorial_cnn())
 
-        from keras_mirror_kit import keras_fit_stall
-
-        model = keras_fit_stall.apply(build_model())  # a no-op once distributed() applies it
+        model = build_model()  # distributed() applies the end-of-fit stall workaround
         dist = build_model.distribution
         stages["model built"] = peak_bytes()
         (x_train, y_train), (x_test, y_test) = make_synthetic_cifar10(seed=0)

@@ -10,7 +10,7 @@ per-replica batch 64 (global 128), on CIFAR-sized synthetic data (50,000 x 32x32
   `strategy.scope()` (the strategy is given the 2 logical CPUs, as it would find 2 GPUs).
 * `kit`: `kmk.distributed(per_replica_batch_size=64)`, `kmk.make_dataset(...,
   preprocess=kmk.rescale())` and `kmk.ThroughputMonitor()` (and
-  `keras_fit_stall.apply(model)`, a no-op once `distributed()` applies it).
+  the end-of-fit stall workaround, which `distributed()` applies).
 * `kit + checkpoint`: the same, plus `kmk.SyncedCheckpoint(dataset=...)` writing (and
   verifying the replicas) at the end of every epoch, i.e. once per fit.
 
@@ -43,6 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _report import say  # benchmarks/_report.py (scripts run from benchmarks/)
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["CUDA_VISIBLE_DEVICES"] = "-1"  # the simulated replicas are CPU replicas
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
@@ -51,12 +53,6 @@ PER_REPLICA_BATCH = 64
 REPLICAS = 2
 NUM_TRAIN = 50_000
 TARGETS = {"kit": 0.99, "kit + checkpoint": 0.97}
-
-
-def say(line: str = "") -> None:
-    """Writes one line of the report to stdout."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     import keras
     import tensorflow as tf
 
-    from keras_mirror_kit import keras_fit_stall
     from keras_mirror_kit.datasets import make_synthetic_cifar10
 
     say(f"command: python benchmarks/overhead_vs_tutorial.py {' '.join(sys.argv[1:])}".rstrip())
@@ -135,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return model
 
-    kit_model = keras_fit_stall.apply(build_model())
+    kit_model = build_model()  # distributed() applies the end-of-fit stall workaround
     dist = build_model.distribution
     train_ds = kmk.make_dataset(
         x_train, y_train, dist.global_batch_size, seed=0, preprocess=kmk.rescale()

@@ -42,13 +42,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _report import say  # benchmarks/_report.py (scripts run from benchmarks/)
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def say(line: str = "") -> None:
-    """Writes one line of the report to stdout."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def child_env(gpu_split: bool) -> dict[str, str]:

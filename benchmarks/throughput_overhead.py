@@ -32,14 +32,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from _report import say  # benchmarks/_report.py (scripts run from benchmarks/)
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-
-
-def say(line: str = "") -> None:
-    """Writes one line of the report to stdout."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
