@@ -15,7 +15,8 @@ CIFAR-shaped data, `--epochs` epochs. The paths alternate run by run:
 * `kit`: `kmk.distributed()`, `kmk.make_dataset`, `ThroughputMonitor` and
   `SyncedCheckpoint` every epoch (`distributed()` applies `keras_fit_stall`).
 * optional, for the diagnosis: `kit-no-workaround` (the kit's path with tf.data autotuning
-  switched back on and `distributed()`'s `apply` undone) and `tutorial-workaround` (the tutorial's pipeline with
+  switched back on and `distributed()`'s `apply` undone) and `tutorial-workaround` (the
+  tutorial's pipeline with
   `without_autotune` and `apply`).
 
 A timestamping callback, last in the list, notes `on_train_end`; the stall is the time from
