@@ -20,8 +20,8 @@ measured step, or one whose measured time is zero, has no figures (`None`): rate
 nothing are not reported rather than reported as zero or infinity.
 
 Multi-worker: the rates are global because each synchronous step consumes one global batch
-on every worker at once; a per-worker figure would divide by a `num_workers` the meter can
-be given later, without changing what it measures.
+on every worker at once; given `num_workers > 1`, the meter also reports
+`samples_per_sec_per_worker`.
 """
 
 from __future__ import annotations

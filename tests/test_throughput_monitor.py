@@ -8,6 +8,7 @@ other.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import keras
@@ -379,3 +380,94 @@ def test_hooks_driven_by_hand_without_epoch_and_batch_begin():
     summary = monitor.summary()
     assert summary["warmup_steps"] == 1
     assert summary["measured_steps"] == 5 + 3 + 3
+
+
+class _Probe(keras.callbacks.Callback):
+    """Placed after the monitor: reads its summary at one batch begin, spies on its meter."""
+
+    def __init__(self, monitor: ThroughputMonitor, at_batch: int) -> None:
+        super().__init__()
+        self.monitor = monitor
+        self.at_batch = at_batch
+        self.seen: dict[str, float] = {}
+        self.meter_steps = 0
+        self.epoch = -1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_begin(self, logs=None):
+        meter = self.monitor.meter
+        original = meter.step
+
+        def counting_step(*args, **kwargs):
+            self.meter_steps += 1
+            return original(*args, **kwargs)
+
+        meter.step = counting_step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.epoch == 0 and batch == self.at_batch:
+            self.seen = self.monitor.summary()
+
+
+def test_hot_path_leaves_the_meter_alone_until_the_epoch_ends():
+    """Past warm-up a batch end only notes its index: the meter sees one call per epoch.
+
+    The steps are counted at the epoch end (same time attributed), and a mid-epoch
+    `summary()` still counts the steps done so far.
+    """
+    model = build()
+    monitor = ThroughputMonitor(warmup_steps=2)
+    probe = _Probe(monitor, at_batch=10)
+    data = kmk.make_dataset(X, Y, GBS, seed=1)  # 20 steps per epoch
+    model.fit(data, epochs=2, verbose=0, callbacks=[monitor, probe])
+    assert model.optimizer.iterations.numpy() == 40
+    assert probe.seen["warmup_steps"] == 2
+    assert probe.seen["measured_steps"] == 8  # steps 2-9 of epoch 0 are done at begin 10
+    summary = monitor.summary()
+    assert summary["measured_steps"] == 18 + 20
+    # Warm-up: 2 calls; epoch 0: the mid-epoch summary and the epoch end; epoch 1: its
+    # end. Counting every step would make it 40.
+    assert probe.meter_steps == 2 + 2 + 1
+
+
+def test_batch_reports_give_the_meter_only_the_due_steps():
+    """With log_every_n_steps, past warm-up the meter is called once per report."""
+    model = build()
+    monitor = ThroughputMonitor(warmup_steps=2, log_every_n_steps=5)
+    probe = _Probe(monitor, at_batch=-1)
+    stamps = Timestamps()
+    data = kmk.make_dataset(X, Y, GBS, seed=1)  # 20 steps
+    model.fit(data, epochs=1, verbose=0, callbacks=[monitor, probe, stamps])
+    reported = [batch for _, batch, picked in stamps.batch_logs if picked]
+    assert reported == [4, 9, 14, 19]
+    assert probe.meter_steps == 2 + 4  # each warm-up step, then one call per report
+    assert monitor.summary()["measured_steps"] == 18
+
+
+def test_keras_runs_batch_ends_on_the_main_thread_with_tensorflow():
+    """What the monitor's design and docs/throughput.md rely on.
+
+    With the TensorFlow backend Keras 3 dispatches `on_train_batch_end` on the main thread
+    right after each execution, even when every callback is `async_safe` (its
+    `IS_THREAD_SAFE` is False, tensorflow/tensorflow#78338); other backends use a thread
+    pool. If a release changes this, the monitor's batch ends may run concurrently with
+    its other hooks: revisit the callback and "No extra synchronisation" in the docs.
+    """
+
+    class Threads(keras.callbacks.Callback):
+        async_safe = True  # would allow Keras' thread pool on a thread-safe backend
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.on_main: list[bool] = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.on_main.append(threading.current_thread() is threading.main_thread())
+
+    model = build()
+    threads = Threads()
+    data = kmk.make_dataset(X, Y, GBS, seed=1)
+    model.fit(data, epochs=1, verbose=0, callbacks=[threads])  # the only callback
+    assert threads.on_main == [True] * 20

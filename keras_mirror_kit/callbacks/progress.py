@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-__all__ = ["skip_batch_end", "steps_done"]
+__all__ = ["steps_done"]
 
 
 def steps_done(batch: int, epoch_length: int | None, offset: int = 0) -> int:
@@ -31,35 +28,3 @@ def steps_done(batch: int, epoch_length: int | None, offset: int = 0) -> int:
     """
     done = offset + int(batch) + 1
     return min(done, epoch_length) if epoch_length else done
-
-
-def skip_batch_end(callback: Any, fallback: Callable[..., None] | None = None) -> None:
-    """Lets Keras dispatch batch ends asynchronously although `callback` defines one.
-
-    Keras 3 runs `on_train_batch_end` in a background thread (so the main thread never
-    waits for the step's logs, a device synchronisation) only when no callback overrides it.
-    This replaces the callback's method, on this instance, with one Keras treats as the
-    default: a no-op, or `fallback` when given (still called, but from Keras' thread).
-
-    Args:
-        callback: A `keras.callbacks.Callback` that does not need batch ends in this
-            configuration.
-        fallback: Optional function `(batch, logs=None)` to run instead.
-
-    Returns:
-        None.
-
-    Example:
-
-    ```python
-    if save_freq == "epoch":
-        skip_batch_end(self)
-    ```
-    """
-
-    def on_train_batch_end(batch: int, logs: dict[str, Any] | None = None) -> None:
-        if fallback is not None:
-            fallback(batch, logs)
-
-    on_train_batch_end._is_default = True  # type: ignore[attr-defined]  # Keras' own marker
-    callback.on_train_batch_end = on_train_batch_end

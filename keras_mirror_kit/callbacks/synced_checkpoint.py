@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror_kit.callbacks.progress import skip_batch_end, steps_done
+from keras_mirror_kit.callbacks.progress import steps_done
 from keras_mirror_kit.checkpoint_store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.data import DatasetCursor, cursor_of
 from keras_mirror_kit.distribution import distribution_of, is_chief
@@ -55,8 +55,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     newest checkpoint is reported with a warning and the previous good one is used. The
     checkpoint may come from a run with another replica count.
 
-    With `save_freq="epoch"` the callback does nothing per batch (so Keras keeps dispatching
-    batch ends asynchronously, without a device sync per step) and resumes at epoch
+    With `save_freq="epoch"` the callback does nothing per batch and resumes at epoch
     boundaries. With an integer `save_freq`, checkpoints are also written every `save_freq`
     batches.
     Given `dataset=` (a dataset built by `kmk.make_dataset`), a run resumes exactly where
@@ -150,10 +149,6 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._cursor: DatasetCursor | None = cursor
         self._restored: weakref.WeakSet[Any] = weakref.WeakSet()
         self._reset_run_state()
-        if save_freq == "epoch":
-            # Nothing to do per batch: let Keras dispatch batch ends asynchronously (no
-            # device sync per step). Resumes then start at epoch boundaries only.
-            skip_batch_end(self)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -211,6 +206,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             self._cursor.set(epoch, self._epoch_skip)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self.save_freq == "epoch":
+            return  # nothing to do per batch; resumes start at epoch boundaries
         # With steps_per_execution > 1 Keras reports the last step of each execution (past
         # the end of the epoch for a partial last execution).
         num_batches = self._epoch_length()

@@ -8,13 +8,14 @@ reads a tensor, so it adds no device synchronisation to the training loop.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any
 
 import keras
 
 from keras_mirror_kit.batching import validate_non_negative_int, validate_positive_int
-from keras_mirror_kit.callbacks.progress import skip_batch_end, steps_done
+from keras_mirror_kit.callbacks.progress import steps_done
 from keras_mirror_kit.distribution import distribution_of, is_chief
 from keras_mirror_kit.throughput import (
     ThroughputMeter,
@@ -24,6 +25,8 @@ from keras_mirror_kit.throughput import (
 __all__ = ["ThroughputMonitor"]
 
 logger = logging.getLogger("keras_mirror_kit")
+
+_NEVER = sys.maxsize
 
 
 class ThroughputMonitor(keras.callbacks.Callback):
@@ -131,19 +134,19 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._last: dict[str, float] = {}
         self._training = False
         self._epoch_pending = False  # the clock starts at the epoch's first batch
-        self._last_batch = -1
-        self._steps_in_fit = 0
         self._steps_per_execution = 1
-        # Count at batch *begins* unless batch logs are wanted: then Keras can dispatch
-        # batch ends in its background thread and never waits for a step's logs (a device
-        # sync) on the main thread. A custom loop that calls only on_train_batch_end still
-        # counts there.
-        self._begins_seen = False
-        self._counted = 0  # steps of the current epoch already given to the meter
-        self._last_begin = -1
-        self._end_stamp: tuple[int, float] | None = None  # (batch, time) of the last end
-        if log_every_n_steps is None:
-            skip_batch_end(self, fallback=self._batch_end_without_begins)
+        # Steps are counted at batch ends (Keras calls them on the main thread right after
+        # each execution, whatever the callbacks). During warm-up every end is counted; past
+        # it, an end only notes its index and time (`_fast`), and the steps are given to the
+        # meter in one go when a batch report is due or at the epoch's end: the same time
+        # is attributed to them, and Keras' hot loop costs a few attribute stores.
+        self._steps_in_fit = 0  # steps of this fit() given to the meter
+        self._last_batch = -1  # index of the last step of this epoch given to the meter
+        self._seen_batch = -1  # index of the last step of this epoch seen at a batch end
+        self._seen_at = 0.0  # when that batch end was seen
+        self._fast = False
+        self._next_report = _NEVER  # _steps_in_fit at which the next batch report is due
+        self._epoch_length = _NEVER  # params["steps"], or _NEVER when unknown
 
     @property
     def last(self) -> dict[str, float]:
@@ -172,7 +175,10 @@ class ThroughputMonitor(keras.callbacks.Callback):
         monitor.summary()["samples_per_sec"]
         ```
         """
-        return {} if self._meter is None else self._meter.summary()
+        if self._meter is None:
+            return {}
+        self._count_seen()  # mid-epoch: the steps done so far (the epoch end would, later)
+        return self._meter.summary()
 
     def _resolve(self) -> tuple[int, int, int]:
         """Global batch size, replicas and workers, from the Distribution or the arguments."""
@@ -219,100 +225,90 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._meter.start()
         self._training = True
         self._steps_in_fit = 0
-        self._last_batch = -1
-        self._begins_seen = False
+        self._next_report = self._log_every_n_steps or _NEVER
         spe = getattr(self.model, "steps_per_execution", 1)
         self._steps_per_execution = spe if isinstance(spe, int) and spe > 0 else 1
+        self._start_epoch_counts()
+
+    def _start_epoch_counts(self) -> None:
+        self._last_batch = -1
+        self._seen_batch = -1
+        self._fast = False
+        self._epoch_length = (self.params or {}).get("steps") or _NEVER
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         """Arms the epoch: its clock starts with its first training step."""
-        self._last_batch = -1
-        self._counted = 0
-        self._last_begin = -1
-        self._end_stamp = None
+        self._start_epoch_counts()
         self._epoch_pending = self._meter is not None
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        """Starts the epoch's clock at its first step; then counts the steps done before."""
-        meter = self._meter
-        if meter is None:
-            return
-        self._begins_seen = True
+        """Starts the epoch's clock at its first training step."""
         if self._epoch_pending:
             self._epoch_pending = False
+            meter = self._meter
+            assert meter is not None
             meter.start_epoch()
-        elif self._log_every_n_steps is None and meter.running and batch > self._counted:
-            # The executions before this one have returned: `batch` steps are done.
-            self._count(batch - self._counted)
-            self._counted = batch
-        self._last_begin = batch
-
-    def _count(self, n_steps: int) -> None:
-        assert self._meter is not None
-        self._meter.step(n_steps)
-        self._steps_in_fit += n_steps
-
-    def _finish_counting(self) -> None:
-        """Counts the epoch's last execution (after Keras synced its logs)."""
-        meter = self._meter
-        if (
-            meter is None
-            or self._log_every_n_steps is not None
-            or not self._begins_seen
-            or not meter.running
-            or self._last_begin < 0
-        ):
-            return
-        last = self._last_begin + self._steps_per_execution - 1
-        done = steps_done(last, (self.params or {}).get("steps"))
-        if done > self._counted:
-            stamp = self._end_stamp
-            # When that execution ended (Keras' batch-end thread saw its logs); not "now",
-            # which would add the time Keras spent after it (metrics, validation set-up).
-            ended = stamp[1] if stamp is not None and stamp[0] >= self._last_begin else None
-            assert self._meter is not None
-            self._meter.step(done - self._counted, now=ended)
-            self._steps_in_fit += done - self._counted
-            self._counted = done
-
-    def _batch_end_without_begins(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        if self._begins_seen:
-            # In fit: runs in Keras' batch-end thread once the step's logs are ready; only
-            # its time is kept, for the epoch's last execution (see _finish_counting).
-            self._end_stamp = (batch, time.perf_counter())
-        else:  # a custom loop that only reports batch ends
-            ThroughputMonitor.on_train_batch_end(self, batch, logs)
+            self._fast = not meter.in_warmup
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        """Counts the steps since the last call; every N steps adds figures to `logs`."""
+        """Counts the steps done; every `log_every_n_steps` steps adds figures to `logs`."""
+        if self._fast:
+            # With steps_per_execution=N Keras reports the last index of each execution,
+            # even past the end of the epoch when its last execution runs fewer steps.
+            index = batch if batch < self._epoch_length else self._epoch_length - 1
+            new = index - self._last_batch
+            if new > 0 and self._steps_in_fit + new < self._next_report:
+                self._seen_batch = index
+                self._seen_at = time.perf_counter()
+                return
+        self._count_batch_end(batch, logs)
+
+    def _count_batch_end(self, batch: int, logs: dict[str, Any] | None) -> None:
         meter = self._meter
         if meter is None:
             return
         if not meter.running:  # a custom loop without on_train_batch_begin: time from here
             self._epoch_pending = False
-            self._last_batch = batch
+            self._last_batch = self._seen_batch = batch
             meter.start_epoch()
             return
-        # With steps_per_execution=N, Keras calls this once per execution with the index of
-        # its last step, even when the epoch's last execution runs fewer than N steps.
         index = steps_done(batch, (self.params or {}).get("steps")) - 1
-        n_steps = index - self._last_batch
-        if n_steps <= 0:  # indices restarted without on_epoch_begin
+        if index <= self._last_batch:  # indices restarted without on_epoch_begin
+            self._count_seen()
             n_steps = max(1, min(index + 1, self._steps_per_execution))
-        self._last_batch = index
-        meter.step(n_steps)
+        else:
+            n_steps = index - self._last_batch
+        self._last_batch = self._seen_batch = index
+        self._give(n_steps, logs)
+
+    def _give(self, n_steps: int, logs: dict[str, Any] | None, now: float | None = None) -> None:
+        """Gives steps to the meter; adds batch figures to `logs` when a report is due."""
+        meter = self._meter
+        assert meter is not None
+        meter.step(n_steps, now=now)
         before, self._steps_in_fit = self._steps_in_fit, self._steps_in_fit + n_steps
         every = self._log_every_n_steps
-        if every and logs is not None and self._steps_in_fit // every > before // every:
-            figures = meter.interval_figures()
-            if figures is not None:
-                logs.update(figures)
-                self._last = figures
+        if every is not None:
+            if logs is not None and self._steps_in_fit // every > before // every:
+                figures = meter.interval_figures()
+                if figures is not None:
+                    logs.update(figures)
+                    self._last = figures
+            self._next_report = (self._steps_in_fit // every + 1) * every
+        self._fast = meter.running and not meter.in_warmup
+
+    def _count_seen(self) -> None:
+        """Gives the meter the steps seen at batch ends but not counted yet, timed then."""
+        meter = self._meter
+        if meter is not None and meter.running and self._seen_batch > self._last_batch:
+            n_steps = self._seen_batch - self._last_batch
+            self._last_batch = self._seen_batch
+            self._give(n_steps, None, now=self._seen_at)
 
     def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Pauses the clock for validation inside `fit()`."""
         if self._training and self._meter is not None:
-            self._finish_counting()
+            self._count_seen()
             self._meter.pause()
 
     def on_test_end(self, logs: dict[str, Any] | None = None) -> None:
@@ -324,7 +320,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
         """Adds the epoch's figures to `logs` (none if the epoch was all warm-up)."""
         if self._meter is None:
             return
-        self._finish_counting()
+        self._count_seen()
+        self._fast = False
         self._meter.stop()
         figures = None if self._epoch_pending else self._meter.epoch_figures()
         self._epoch_pending = False
@@ -346,6 +343,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._epoch_pending = False
         if self._meter is None:
             return
+        self._count_seen()  # a loop that ends without on_epoch_end
+        self._fast = False
         self._meter.stop()
         if getattr(self, "_is_chief", True):  # one summary per cluster, from the chief
             logger.info("keras-mirror-kit ThroughputMonitor: %s", self._meter.describe())

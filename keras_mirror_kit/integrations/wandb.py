@@ -26,7 +26,7 @@ except ImportError as err:  # pragma: no cover - exercised in a subprocess test
 
 from keras_mirror_kit._version import __version__
 from keras_mirror_kit.batching import validate_positive_int
-from keras_mirror_kit.callbacks.progress import skip_batch_end, steps_done
+from keras_mirror_kit.callbacks.progress import steps_done
 from keras_mirror_kit.distribution import Distribution, distribution_of, is_chief
 
 __all__ = ["WandbLogger"]
@@ -144,8 +144,6 @@ class WandbLogger(keras.callbacks.Callback):
         super().__init__()
         if log_every_n_batches is not None:
             validate_positive_int("log_every_n_batches", log_every_n_batches)
-        if log_every_n_batches is None:
-            skip_batch_end(self)  # no batch logging: keep Keras' asynchronous batch ends
         if upload_checkpoints and checkpoint_dir is None:
             raise ValueError(
                 "`upload_checkpoints=True` needs the directory the checkpoints are written "
@@ -232,7 +230,7 @@ class WandbLogger(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Logs the batch logs under `batch/` every `log_every_n_batches` steps."""
-        if not self._active:
+        if not self._active or self.log_every_n_batches is None:
             return
         self._batch_step = self._epoch_start_step + steps_done(
             batch, (self.params or {}).get("steps")
