@@ -447,13 +447,12 @@ def test_batch_reports_give_the_meter_only_the_due_steps():
 
 
 def test_keras_runs_batch_ends_on_the_main_thread_with_tensorflow():
-    """What the monitor's design and docs/throughput.md rely on.
+    """What docs/throughput.md ("No extra synchronisation") and CHANGELOG.md state.
 
     With the TensorFlow backend Keras 3 dispatches `on_train_batch_end` on the main thread
     right after each execution, even when every callback is `async_safe` (its
     `IS_THREAD_SAFE` is False, tensorflow/tensorflow#78338); other backends use a thread
-    pool. If a release changes this, the monitor's batch ends may run concurrently with
-    its other hooks: revisit the callback and "No extra synchronisation" in the docs.
+    pool when every callback allows it. If a release changes this, revise those texts.
     """
 
     class Threads(keras.callbacks.Callback):
@@ -471,3 +470,68 @@ def test_keras_runs_batch_ends_on_the_main_thread_with_tensorflow():
     data = kmk.make_dataset(X, Y, GBS, seed=1)
     model.fit(data, epochs=1, verbose=0, callbacks=[threads])  # the only callback
     assert threads.on_main == [True] * 20
+
+
+class _FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _hand_driven(monitor: ThroughputMonitor, monkeypatch, steps: int | None = None):
+    """A CallbackList with the monitor on a fake clock (the meter's and the callback's)."""
+    clock = _FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
+    model = models.compile_sgd(models.sequential())
+    callbacks = keras.callbacks.CallbackList([monitor], model=model, epochs=2, steps=steps)
+    callbacks.on_train_begin()
+    monitor.meter._clock = clock  # the meter is created at on_train_begin
+    return callbacks, clock
+
+
+@pytest.mark.parametrize("every", [None, 3])
+def test_lazy_counting_attributes_exactly_the_step_times(monkeypatch, every):
+    """Past warm-up steps reach the meter late, but timed as if counted one by one: the
+    time after the last step (Keras' epoch-end work) and validation are not measured."""
+    monitor = ThroughputMonitor(global_batch_size=4, warmup_steps=1, log_every_n_steps=every)
+    callbacks, clock = _hand_driven(monitor, monkeypatch, steps=6)
+    durations = [5.0, 1.0, 2.0, 1.5, 0.5, 3.0]  # step 0 is warm-up
+    callbacks.on_epoch_begin(0)
+    for batch, seconds in enumerate(durations):
+        callbacks.on_train_batch_begin(batch)
+        clock.now += seconds
+        callbacks.on_train_batch_end(batch, {"loss": 1.0})
+    clock.now += 7.0  # metrics, then validation set-up
+    callbacks.on_test_begin()
+    clock.now += 50.0
+    callbacks.on_test_end()
+    clock.now += 0.25  # other callbacks' epoch-end work
+    callbacks.on_epoch_end(0, {"loss": 1.0})
+    assert monitor.last["step_time_ms"] == pytest.approx(1000 * sum(durations[1:]) / 5)
+    summary = monitor.summary()
+    assert summary["measured_steps"] == 5
+    assert summary["measured_seconds"] == pytest.approx(sum(durations[1:]))
+    assert summary["warmup_seconds"] == pytest.approx(5.0)
+
+
+def test_hand_driven_loops_lose_no_step(monkeypatch):
+    """Indices restarting without on_epoch_begin, and on_epoch_begin without on_epoch_end."""
+    monitor = ThroughputMonitor(global_batch_size=4, warmup_steps=0)
+    callbacks, clock = _hand_driven(monitor, monkeypatch)
+    callbacks.on_epoch_begin(0)
+    for _ in range(2):  # two passes of 0..9 in one "epoch"
+        for batch in range(10):
+            callbacks.on_train_batch_begin(batch)
+            clock.now += 1.0
+            callbacks.on_train_batch_end(batch, {"loss": 1.0})
+    callbacks.on_epoch_begin(1)  # no on_epoch_end for epoch 0
+    for batch in range(4):
+        callbacks.on_train_batch_begin(batch)
+        clock.now += 2.0
+        callbacks.on_train_batch_end(batch, {"loss": 1.0})
+    callbacks.on_train_end()
+    summary = monitor.summary()
+    assert summary["measured_steps"] == 24
+    assert summary["measured_seconds"] == pytest.approx(20 * 1.0 + 4 * 2.0)

@@ -161,6 +161,9 @@ class ThroughputMonitor(keras.callbacks.Callback):
     def summary(self) -> dict[str, float]:
         """The throughput of the whole current (or last) `fit()`, warm-up and validation excluded.
 
+        Called during `fit()` (from a callback: the thread that runs `fit()`), it first
+        counts the steps done so far in the current epoch.
+
         Returns:
             `ThroughputMeter.summary()`: the figures keys (absent when no step was
             measured) plus `measured_steps`, `measured_seconds`, `warmup_steps`,
@@ -238,6 +241,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         """Arms the epoch: its clock starts with its first training step."""
+        self._count_seen()  # a loop that did not call on_epoch_end for the previous epoch
         self._start_epoch_counts()
         self._epoch_pending = self._meter is not None
 
@@ -256,8 +260,10 @@ class ThroughputMonitor(keras.callbacks.Callback):
             # With steps_per_execution=N Keras reports the last index of each execution,
             # even past the end of the epoch when its last execution runs fewer steps.
             index = batch if batch < self._epoch_length else self._epoch_length - 1
-            new = index - self._last_batch
-            if new > 0 and self._steps_in_fit + new < self._next_report:
+            if (
+                index > self._seen_batch  # not indices restarting (a hand-driven loop)
+                and self._steps_in_fit + index - self._last_batch < self._next_report
+            ):
                 self._seen_batch = index
                 self._seen_at = time.perf_counter()
                 return
@@ -273,7 +279,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
             meter.start_epoch()
             return
         index = steps_done(batch, (self.params or {}).get("steps")) - 1
-        if index <= self._last_batch:  # indices restarted without on_epoch_begin
+        if index <= self._seen_batch:  # indices restarted without on_epoch_begin
             self._count_seen()
             n_steps = max(1, min(index + 1, self._steps_per_execution))
         else:
