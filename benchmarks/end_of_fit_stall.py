@@ -40,17 +40,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from _report import say  # benchmarks/_report.py (scripts run from benchmarks/)
+from _fresh import ROOT, run_fresh  # benchmarks/_fresh.py (scripts run from benchmarks/)
+from _report import say  # benchmarks/_report.py
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
 PATHS = ("tutorial", "kit", "kit-no-workaround", "tutorial-workaround")
@@ -162,19 +161,11 @@ def run_child(path: str, args: argparse.Namespace, tmp: str, index: int) -> dict
         sys.executable, str(Path(__file__).resolve()), "--child", path,
         "--steps", str(args.steps), "--epochs", str(args.epochs),
         "--result-file", str(result_file),
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KMK_SIMULATE_REPLICAS")}
-    env["CUDA_VISIBLE_DEVICES"] = "-1"  # the simulated replicas are CPU replicas
-    start = time.perf_counter()
-    proc = subprocess.run(
-        command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
-        check=False,
-    )
-    if proc.returncode != 0 or not result_file.exists():
-        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-        return {"path": path, "error": f"exit {proc.returncode}: {tail}"}
-    result = json.loads(result_file.read_text())
-    result["process_s"] = time.perf_counter() - start
+    ]  # fmt: skip
+    result, error, seconds = run_fresh(command, result_file, timeout=args.timeout)
+    if error is not None:
+        return {"path": path, "error": error}
+    result["process_s"] = seconds
     return result
 
 

@@ -36,17 +36,15 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from _report import say  # benchmarks/_report.py (scripts run from benchmarks/)
+from _fresh import ROOT, run_fresh  # benchmarks/_fresh.py (scripts run from benchmarks/)
+from _report import say  # benchmarks/_report.py
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
 MODES = ("baseline", "tutorial", "kit")
@@ -152,19 +150,11 @@ def run_child(mode: str, args: argparse.Namespace, tmp: str, index: int) -> dict
         sys.executable, str(Path(__file__).resolve()), "--child", mode,
         "--steps", str(args.steps), "--val-steps", str(args.val_steps),
         "--result-file", str(result_file),
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KMK_SIMULATE_REPLICAS")}
-    env["CUDA_VISIBLE_DEVICES"] = "-1"
-    start = time.perf_counter()
-    proc = subprocess.run(
-        command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout,
-        check=False,
-    )
-    if proc.returncode != 0 or not result_file.exists():
-        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-        return {"mode": mode, "error": f"exit {proc.returncode}: {tail}"}
-    result = json.loads(result_file.read_text())
-    result["seconds"] = time.perf_counter() - start
+    ]  # fmt: skip
+    result, error, seconds = run_fresh(command, result_file, timeout=args.timeout)
+    if error is not None:
+        return {"mode": mode, "error": error}
+    result["seconds"] = seconds
     return result
 
 

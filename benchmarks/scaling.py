@@ -34,7 +34,6 @@ This is a script, not a test: it prints its figures and asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -42,18 +41,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _report import say  # benchmarks/_report.py (scripts run from benchmarks/)
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def child_env(gpu_split: bool) -> dict[str, str]:
-    """The environment of the bench processes: CPU only, or the first GPU only."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "KMK_SIMULATE_REPLICAS")}
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["CUDA_VISIBLE_DEVICES"] = "0" if gpu_split else "-1"
-    return env
+from _fresh import child_env, run_fresh  # benchmarks/_fresh.py (run from there)
+from _report import say  # benchmarks/_report.py
 
 
 def visible_gpus(env: dict[str, str]) -> int:
@@ -157,15 +146,12 @@ def main(argv: list[str] | None = None) -> int:
                     "--replicas", str(replicas), "--steps", str(args.steps),
                     "--per-replica-batch-size", str(batch),
                     "--timeout", str(args.timeout), "--json", str(out),
-                ]
-                proc = subprocess.run(
-                    command, env=env, cwd=ROOT, capture_output=True, text=True, check=False
-                )
-                if proc.returncode != 0 or not out.exists():
-                    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
-                    say(f"round {r + 1}, {label} failed (exit {proc.returncode}): {tail}")
+                ]  # fmt: skip
+                result, error, _ = run_fresh(command, out, env=env)
+                if error is not None:
+                    say(f"round {r + 1}, {label} failed ({error})")
                     return 1
-                rates[label].append(float(json.loads(out.read_text())[0]["samples_per_sec"]))
+                rates[label].append(float(result[0]["samples_per_sec"]))
             say(f"round {r + 1}: " + ", ".join(f"{k}: {rates[k][-1]:.0f}" for k in labels))
     say(f"load average at the end: {os.getloadavg()[0]:.2f}")
 
