@@ -230,13 +230,13 @@ class WandbLogger(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Logs the batch logs under `batch/` every `log_every_n_batches` steps."""
-        if not self._active or self.log_every_n_batches is None:
+        n = self.log_every_n_batches
+        if not self._active or n is None:
             return
         self._batch_step = self._epoch_start_step + steps_done(
             batch, (self.params or {}).get("steps")
         )
-        n = self.log_every_n_batches
-        if n is None or self._batch_step - self._last_logged_step < n:
+        if self._batch_step - self._last_logged_step < n:
             return
         run = self._run
         assert run is not None
