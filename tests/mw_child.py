@@ -2,7 +2,8 @@
 
 Usage: python -m tests.mw_child OUT_DIR [--epochs N] [--ckpt DIR] [--save-freq F]
        (in DIR, "{rank}" is replaced by the worker's rank)
-           [--die-rank R --die-epoch E --die-at-batch B] [--delay-rank R --delay S]
+           [--die-rank R --die-epoch E --die-at-batch B [--die-exit-0]]
+           [--delay-rank R --delay S]
            [--spawn-grandchild] [--probe-upstream]
 
 Trains the CIFAR-10 CNN on a little synthetic data with `kmk.distributed` and
@@ -63,12 +64,17 @@ def main() -> int:
     parser.add_argument("--die-rank", type=int)
     parser.add_argument("--die-epoch", type=int, default=0)
     parser.add_argument("--die-at-batch", type=int, default=2)
+    parser.add_argument(
+        "--die-exit-0", action="store_true", help="leave with status 0 instead of SIGKILL"
+    )
     parser.add_argument("--delay-rank", type=int)
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--spawn-grandchild", action="store_true")
     parser.add_argument("--probe-upstream", action="store_true")
-    parser.add_argument("--observe", help="add ThroughputMonitor and an offline WandbLogger "
-                        "writing under this directory")
+    parser.add_argument(
+        "--observe",
+        help="add ThroughputMonitor and an offline WandbLogger writing under this directory",
+    )
     args = parser.parse_args()
     rank = _rank()
     result: dict = {"rank": rank, "pid": os.getpid()}
@@ -80,6 +86,8 @@ def main() -> int:
         json.dump(result, handle)
     if args.delay_rank == rank:
         time.sleep(args.delay)
+        with open(os.path.join(args.out, f"awake-{rank}"), "w") as handle:
+            handle.write("the delay ended before anyone stopped this worker")
 
     import keras
     import numpy as np
@@ -144,6 +152,11 @@ def main() -> int:
                 args.die_at_batch,
             ):
                 sys.stdout.flush()
+                with open(os.path.join(args.out, f"killed-{rank}"), "w") as handle:
+                    handle.write(repr(time.time()))  # when, for the launcher's reaction time
+                if args.die_exit_0:  # a worker that leaves early, as if its data ran out
+                    sys.stderr.flush()
+                    os._exit(0)
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def on_epoch_end(self, epoch, logs=None):
@@ -157,14 +170,20 @@ def main() -> int:
     if args.observe:
         from keras_mirror_kit.integrations.wandb import WandbLogger
 
-        os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true",
-                          WANDB_DATA_DIR=os.path.join(args.observe, f"data-{rank}"),
-                          WANDB_CACHE_DIR=os.path.join(args.observe, f"cache-{rank}"),
-                          WANDB_CONFIG_DIR=os.path.join(args.observe, f"config-{rank}"))
+        os.environ.update(
+            WANDB_MODE="offline",
+            WANDB_SILENT="true",
+            WANDB_DATA_DIR=os.path.join(args.observe, f"data-{rank}"),
+            WANDB_CACHE_DIR=os.path.join(args.observe, f"cache-{rank}"),
+            WANDB_CONFIG_DIR=os.path.join(args.observe, f"config-{rank}"),
+        )
         run_dir = os.path.join(args.observe, f"runs-{rank}")
         os.makedirs(run_dir, exist_ok=True)
-        callbacks = [kmk.ThroughputMonitor(warmup_steps=1), *callbacks,
-                     WandbLogger(project="kmk-mw-test", dir=run_dir)]
+        callbacks = [
+            kmk.ThroughputMonitor(warmup_steps=1),
+            *callbacks,
+            WandbLogger(project="kmk-mw-test", dir=run_dir),
+        ]
     events: list[list[str]] = []
     if args.ckpt:
         args.ckpt = args.ckpt.replace("{rank}", str(rank))  # a per-worker (unshared) dir

@@ -83,12 +83,16 @@ def _child_env(**extra: str) -> dict[str, str]:
 
 
 def _launch(
-    out: Path, *child_args: str, launcher_args: tuple[str, ...] = (), timeout: float = 240
-) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Runs `python -m keras_mirror_kit.launch -n 2 ... -m tests.mw_child OUT args`."""
-    command = [sys.executable, "-m", "keras_mirror_kit.launch", "-n", "2", *launcher_args]
+    out: Path, *child_args: str, launcher_args: tuple[str, ...] = (), timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """Runs `python -m keras_mirror_kit.launch -n 2 ... -m tests.mw_child OUT args`.
+
+    `timeout` only bounds a launch that never ends; no test depends on how long it takes.
+    The chief's work after training (W&B, results) may take long on a loaded machine: the
+    other worker's earlier exit is not taken for an early one unless it is 120 s earlier."""
+    command = [sys.executable, "-m", "keras_mirror_kit.launch", "-n", "2"]
+    command += ["--finish-window", "120", *launcher_args]  # the last one given counts
     command += ["-m", CHILD, str(out), *child_args]
-    start = time.monotonic()
     proc = subprocess.Popen(
         command,
         cwd=REPO,
@@ -107,8 +111,7 @@ def _launch(
         raise AssertionError(
             f"launch did not finish in {timeout} s\n{stdout[-3000:]}\n{stderr[-6000:]}"
         ) from None
-    elapsed = time.monotonic() - start
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr), elapsed
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def _results(out: Path, n: int = 2) -> list[dict]:
@@ -222,6 +225,24 @@ def test_distributed_rejects_a_bad_tf_config_before_creating_anything(monkeypatc
     monkeypatch.setenv("TF_CONFIG", _cfg(WORKERS2, {"type": "worker", "index": 5}))
     with pytest.raises(ValueError, match="task index 5 is out of range"):
         kmk.distributed(global_batch_size=8).distribution  # noqa: B018
+
+
+@pytest.mark.parametrize("strategy", ["auto", "multi_worker"])
+def test_devices_under_a_multi_worker_strategy_is_an_error_not_ignored(monkeypatch, strategy):
+    """`devices=` was silently ignored by MultiWorkerMirroredStrategy. This worker's port is
+    taken, so code that got past the check would fail on the port (not hang, nor build a
+    multi-worker strategy in this process)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        cluster = {"worker": [f"127.0.0.1:{holder.getsockname()[1]}", "127.0.0.1:1"]}
+        monkeypatch.setenv("TF_CONFIG", _cfg(cluster, {"type": "worker", "index": 0}))
+        config = kmk.distributed(global_batch_size=8, devices=["/cpu:0"], strategy=strategy)
+        with pytest.raises(ValueError) as info:
+            config.distribution  # noqa: B018
+    message = str(info.value)
+    assert "`devices` cannot be used with a multi-worker strategy" in message
+    assert "--gpus-per-worker" in message and "Received: devices=['/cpu:0']" in message
 
 
 def test_one_worker_tf_config_keeps_mirrored_strategy(monkeypatch):
@@ -349,6 +370,9 @@ def test_workaround_switched_off(monkeypatch):
 
 # -- launch: the launcher alone, with small non-TensorFlow scripts (in this process) -------
 
+# A worker in "fail" or "hang" mode sleeps HANG_S, then writes finished-<rank>: a launcher
+# that did not stop it would let it get there (tests check progress, not the clock).
+HANG_S = 120
 SCRIPT = textwrap.dedent(
     """
     import json, os, subprocess, sys, time
@@ -368,9 +392,15 @@ SCRIPT = textwrap.dedent(
         print("boom: something broke", file=sys.stderr)
         sys.exit(3)
     if mode in ("fail", "hang"):
-        time.sleep(600)
+        time.sleep(HANG_S)
+        with open(os.path.join(out, f"finished-{rank}"), "w") as f:
+            f.write("not stopped")
     """
-)
+).replace("HANG_S", str(HANG_S))
+
+
+def _finished(out: Path) -> list[str]:
+    return sorted(p.name for p in out.glob("finished-*"))
 
 
 @pytest.fixture()
@@ -406,6 +436,143 @@ def test_launch_usage_errors(capsys, script):
     assert "no such script: 'no_such_script.py'" in err and "-n must be a positive" in err
 
 
+# -- launch: a command instead of a script (`launch -n 2 -- python3 train.py`, as mpirun) ---
+
+TASK_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    out = sys.argv[1]
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    with open(os.path.join(out, f"task-{task['index']}.json"), "w") as f:
+        json.dump({"index": task["index"], "argv": sys.argv[1:],
+                   "executable": sys.executable}, f)
+    print(f"task {task['index']} ran")
+    """
+)
+
+
+def _tasks(out: Path, n: int = 2) -> list[dict]:
+    return [json.loads((out / f"task-{i}.json").read_text()) for i in range(n)]
+
+
+@pytest.fixture()
+def python3_on_path(tmp_path, monkeypatch) -> Path:
+    """A `python3` on PATH that is this interpreter, reached only through PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    return bin_dir / "python3"
+
+
+def test_launch_runs_a_command_like_mpirun(capsys, tmp_path, python3_on_path):
+    """`keras-mirror-kit launch -n 2 -- python3 train.py --epochs 3` runs the command."""
+    from keras_mirror_kit import cli
+
+    train = tmp_path / "train.py"
+    train.write_text(TASK_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    code = cli.main(["launch", "-n", "2", "--", "python3", str(train), str(out), "--epochs", "3"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    for index, task in enumerate(_tasks(out)):
+        assert task["index"] == index
+        assert task["argv"] == [str(out), "--epochs", "3"]
+        assert task["executable"] == str(python3_on_path)  # the command, run as given
+    assert "[worker 0] task 0 ran" in captured.out and "[worker 1] task 1 ran" in captured.out
+    assert f"python3 {train} {out} --epochs 3" in captured.err  # the launcher's start line
+
+
+def test_launch_runs_an_executable_file(capsys, tmp_path, monkeypatch):
+    run_sh = tmp_path / "run.sh"
+    run_sh.write_text('#!/bin/sh\nprintf "%s" "$TF_CONFIG" > "$1/tf-$KMK_LAUNCH_RANK.json"\n')
+    run_sh.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    assert launch.main(["-n", "2", "--", "./run.sh", str(tmp_path)]) == 0
+    for rank in range(2):
+        config = parse_tf_config((tmp_path / f"tf-{rank}.json").read_text())
+        assert config is not None and config.num_workers == 2 and config.task_index == rank
+
+
+def test_launch_runs_python_files_on_its_own_interpreter(tmp_path, monkeypatch):
+    """A Python file with no .py suffix (plain, or executable with a python `#!`) is a
+    script, run on the launcher's interpreter like `train.py`."""
+    monkeypatch.chdir(tmp_path)
+    Path("plain").write_text(TASK_SCRIPT)
+    Path("tool").write_text("#!/no/such/python3\n" + TASK_SCRIPT)
+    Path("tool").chmod(0o755)
+    for name in ("plain", "tool"):
+        out = tmp_path / f"out-{name}"
+        out.mkdir()
+        assert launch.main(["-n", "2", name, str(out)]) == 0
+        assert [t["executable"] for t in _tasks(out)] == [sys.executable] * 2
+
+
+def test_how_the_first_word_is_run(tmp_path, monkeypatch, python3_on_path):
+    monkeypatch.chdir(tmp_path)
+    Path("train.py").write_text("print(1)\n")
+    Path("train").write_text("print(1)\n")
+    Path("run.sh").write_text("#!/bin/sh\necho 1\n")
+    Path("run.sh").chmod(0o755)
+    Path("pkg").mkdir()
+    Path("pkg", "__main__.py").write_text("print(1)\n")
+    py = [sys.executable, "-u"]
+    assert launch.resolve_target("train.py") == ("script", [*py, "train.py"])
+    assert launch.resolve_target("train") == ("script", [*py, "train"])
+    assert launch.resolve_target("pkg") == ("script", [*py, "pkg"])
+    assert launch.resolve_target("pkg.train", module=True) == ("module", [*py, "-m", "pkg.train"])
+    assert launch.resolve_target("run.sh") == ("command", [os.path.join(".", "run.sh")])
+    assert launch.resolve_target("./run.sh") == ("command", ["./run.sh"])
+    assert launch.resolve_target("python3") == ("command", ["python3"])
+    assert launch.resolve_target(sys.executable) == ("command", [sys.executable])
+
+
+@pytest.mark.parametrize(
+    ("make", "target", "expected"),
+    [
+        ("text", "notes.txt", "'notes.txt' is neither a Python script nor an executable file"),
+        ("shell", "run.sh", "Make it executable (`chmod +x run.sh`)"),
+        (None, "no-such-program-kmk", "no such file here and no program of that name on PATH"),
+        (None, "./no-such-program-kmk", "no such file."),
+        (None, "missing.py", "no such script: 'missing.py'"),
+        ("dir", "empty_dir", "is a directory without a __main__.py"),
+    ],
+)
+def test_a_first_word_that_cannot_run_is_refused_before_any_worker(
+    capsys, tmp_path, monkeypatch, make, target, expected
+):
+    monkeypatch.chdir(tmp_path)
+    if make == "text":
+        Path(target).write_text("epochs = 3 ; this is not (python\n")
+    elif make == "shell":
+        Path(target).write_text("#!/bin/sh\necho hi\n")  # not executable
+    elif make == "dir":
+        Path(target).mkdir()
+    with pytest.raises(launch.LaunchError, match="Received: ") as info:
+        launch.resolve_target(target)
+    assert expected in str(info.value)
+    assert launch.main(["-n", "2", "--", target, "--epochs", "3"]) == launch.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "keras-mirror-kit launch: error: " in err and expected in err
+    assert f"Received: {target}" in err
+    assert "starting" not in err  # refused before any worker started
+
+
+def test_launch_help_shows_the_script_and_the_command_forms(capsys, monkeypatch):
+    from keras_mirror_kit import cli
+
+    monkeypatch.setenv("COLUMNS", "250")  # no line wrapping inside the phrases below
+    assert launch.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "[--] script.py [args ...]" in text and "[--] command [args ...]" in text
+    assert "-n 2 -- python3 train.py" in text and "-n 2 train.py" in text
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    assert "(launch -n 2 train.py)" in text and "(launch -n 2 -- python3 train.py)" in text
+
+
 def test_launcher_and_library_agree_on_the_ready_file_variable():
     assert launch.READY_FILE_ENV == multi_worker.READY_FILE_ENV
 
@@ -430,12 +597,11 @@ def test_launch_relays_prefixed_output(capsys, script, tmp_path):
 
 
 def test_launch_stops_everyone_when_a_worker_fails(capsys, script, tmp_path):
-    start = time.monotonic()
     code = launch.main(["-n", "2", "--grace", "1", str(script), str(tmp_path), "fail"])
-    elapsed = time.monotonic() - start
     err = capsys.readouterr().err
     assert code == 3
-    assert elapsed < 20
+    assert _finished(tmp_path) == []  # worker 0 was stopped, not waited for
+    assert "exited with status 3; stopped worker 0" in err
     assert "worker 1 (pid" in err and "exited with status 3" in err
     assert "boom: something broke" in err and "FAILED: worker 1" in err
     pids = _recorded_pids(tmp_path)
@@ -458,12 +624,12 @@ def test_launch_forwards_ctrl_c(script, tmp_path):
         text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while len(list(tmp_path.glob("pids-*.json"))) < 2 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 240  # bounds a stuck start; the test waits for progress
+        while len(list(tmp_path.glob("pids-*.json"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "workers never started"
             time.sleep(0.05)
-        time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -473,7 +639,7 @@ def test_launch_forwards_ctrl_c(script, tmp_path):
         _kill(left)
     assert proc.returncode == 128 + signal.SIGINT, err
     assert "received SIGINT; stopping workers" in err
-    assert len(pids) == 2 and not left
+    assert len(pids) == 2 and not left and _finished(tmp_path) == []
 
 
 def test_launch_kills_what_workers_leave_behind(capsys, script, tmp_path):
@@ -484,11 +650,10 @@ def test_launch_kills_what_workers_leave_behind(capsys, script, tmp_path):
 
 
 def test_launch_startup_and_overall_timeouts(capsys, script, tmp_path):
-    start = time.monotonic()
     code = launch.main(
         ["-n", "2", "--startup-timeout", "1", "--grace", "1", str(script), str(tmp_path), "hang"]
     )
-    assert code == launch.EXIT_TIMEOUT and time.monotonic() - start < 15
+    assert code == launch.EXIT_TIMEOUT and _finished(tmp_path) == []
     err = capsys.readouterr().err
     assert "worker 0, worker 1 did not join the cluster within --startup-timeout 1 s" in err
     _assert_none_left(_recorded_pids(tmp_path))
@@ -508,7 +673,7 @@ def test_launch_startup_and_overall_timeouts(capsys, script, tmp_path):
             "hang",
         ]
     )
-    assert code == launch.EXIT_TIMEOUT
+    assert code == launch.EXIT_TIMEOUT and _finished(tmp_path) == []
     assert "--timeout 1 s reached; stopped worker 0, worker 1" in capsys.readouterr().err
     _assert_none_left(_recorded_pids(tmp_path))
 
@@ -556,8 +721,17 @@ def ckpt_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory, ckpt_dir):
     out = tmp_path_factory.mktemp("first")
-    proc, _ = _launch(out, "--epochs", "1", "--ckpt", str(ckpt_dir), "--save-freq", "3",
-                      "--observe", str(out / "observe"))
+    proc = _launch(
+        out,
+        "--epochs",
+        "1",
+        "--ckpt",
+        str(ckpt_dir),
+        "--save-freq",
+        "3",
+        "--observe",
+        str(out / "observe"),
+    )
     _ok(proc)
     return out, sorted(p.name for p in ckpt_dir.iterdir())
 
@@ -565,21 +739,22 @@ def first_run(tmp_path_factory, ckpt_dir):
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory, ckpt_dir, first_run):
     out = tmp_path_factory.mktemp("killed")
-    proc, elapsed = _launch(
+    proc = _launch(
         out,
         "--epochs", "2", "--ckpt", str(ckpt_dir), "--save-freq", "3",
         "--die-rank", "1", "--die-epoch", "1", "--die-at-batch", "4", "--spawn-grandchild",
         launcher_args=("--grace", "3"),
-        timeout=180,
+        timeout=300,
     )  # fmt: skip
+    finished_at = time.time()  # compared with the time worker 1 wrote before its SIGKILL
     manifest = json.loads((ckpt_dir / "manifest.json").read_text())
-    return out, proc, elapsed, manifest
+    return out, proc, finished_at, manifest
 
 
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory, ckpt_dir, killed_run):
     out = tmp_path_factory.mktemp("resumed")
-    proc, _ = _launch(out, "--epochs", "2", "--ckpt", str(ckpt_dir), "--save-freq", "3")
+    proc = _launch(out, "--epochs", "2", "--ckpt", str(ckpt_dir), "--save-freq", "3")
     _ok(proc)
     return out
 
@@ -613,9 +788,12 @@ def test_two_workers_train_like_one_process_with_two_replicas(reference, first_r
     # Every worker logs the global loss (all-reduced), equal to the single-process one.
     assert results[0]["losses"] == results[1]["losses"]
     np.testing.assert_allclose(results[0]["losses"], ref["losses"][:8], atol=TOLERANCE)
+
     def metrics(result):  # the training metrics; throughput is timing, per worker clock
-        return [{k: v for k, v in logs.items() if k in ("loss", "accuracy")}
-                for logs in result["epoch_logs"]]
+        return [
+            {k: v for k, v in logs.items() if k in ("loss", "accuracy")}
+            for logs in result["epoch_logs"]
+        ]
 
     assert metrics(results[0]) == metrics(results[1])
     assert metrics(results[0])[0]["loss"] > 0
@@ -638,18 +816,44 @@ def test_checkpoints_are_written_once_by_the_chief(first_run):
 
 @pytest.mark.timeout(600)
 def test_a_killed_worker_stops_the_launch_quickly(killed_run):
-    out, proc, elapsed, manifest = killed_run
+    out, proc, finished_at, manifest = killed_run
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-4000:]
     assert "worker 1 (pid" in proc.stderr and "was killed by SIGKILL" in proc.stderr
     assert "FAILED: worker 1 was killed by SIGKILL" in proc.stderr
-    # TensorFlow start-up is about 15 s here; the kill-to-exit part is the grace period.
-    assert elapsed < 90, f"launch took {elapsed:.1f} s"
+    assert "was killed by SIGKILL; stopped worker 0" in proc.stderr
+    # From the kill to the launcher's exit is --grace (3 s) plus polling; a generous
+    # bound, measured from worker 1's own record of when it was killed (not from the
+    # start, which includes TensorFlow's start-up: slow on a loaded machine).
+    killed_at = float((out / "killed-1").read_text())
+    assert finished_at - killed_at < 60, f"launch exited {finished_at - killed_at:.1f} s later"
     pids = _recorded_pids(out)
     assert len(pids) == 4  # 2 workers, each with a grandchild
     _assert_none_left(pids)
     assert not (out / "result-0.json").exists() and not (out / "result-1.json").exists()
     latest = manifest["checkpoints"][-1]
     assert (latest["epoch"], latest["step"], latest["global_step"]) == (1, 3, 11)
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_that_leaves_training_early_is_named(tmp_path):
+    """Worker 1 exits with status 0 in the middle of epoch 0 (as if its data ran out).
+    TensorFlow's heartbeat then fails worker 0 (or, if it does not within --finish-window,
+    the launcher stops it): either way the launcher names worker 1, not worker 0."""
+    proc = _launch(
+        tmp_path, "--epochs", "2",
+        "--die-rank", "1", "--die-epoch", "0", "--die-at-batch", "2", "--die-exit-0",
+        launcher_args=("--grace", "3", "--finish-window", "60"),
+    )  # fmt: skip
+    assert proc.returncode != 0, proc.stderr[-4000:]
+    assert (tmp_path / "killed-1").exists()  # it left at the planned step
+    assert "worker 1 (pid" in proc.stderr
+    assert (
+        "FAILED: worker 1 left early (it exited with status 0 while worker 0 still ran)"
+        in proc.stderr
+    ), proc.stderr[-4000:]
+    assert "stopped worker 1" not in proc.stderr and "FAILED: worker 0" not in proc.stderr
+    assert not (tmp_path / "result-0.json").exists()  # worker 0 never finished training
+    _assert_none_left(_recorded_pids(tmp_path))
 
 
 @pytest.mark.timeout(600)
@@ -671,7 +875,7 @@ def test_a_resumed_multi_worker_run_continues_from_the_checkpoint(reference, res
     assert results[0]["losses"] == results[1]["losses"]
 
 
-def _run_cluster(out: Path, tf_configs: list[str], *child_args: str, timeout: float = 180):
+def _run_cluster(out: Path, tf_configs: list[str], *child_args: str, timeout: float = 420):
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", CHILD, str(out), *child_args],
@@ -727,14 +931,16 @@ def test_chief_job_shape_and_keras_still_needs_the_workaround(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_peer_that_never_starts_is_bounded_by_the_startup_timeout(tmp_path):
-    proc, elapsed = _launch(
+    # Worker 1 sleeps 300 s before importing anything; without the startup timeout the
+    # launch would outlast the (generous) 240 s bound below, or worker 1 would wake up.
+    proc = _launch(
         tmp_path, "--delay-rank", "1", "--delay", "300",
         launcher_args=("--startup-timeout", "8", "--grace", "2"),
-        timeout=120,
+        timeout=240,
     )  # fmt: skip
     assert proc.returncode == launch.EXIT_TIMEOUT, proc.stderr[-3000:]
     assert "did not join the cluster within --startup-timeout 8 s" in proc.stderr
-    assert elapsed < 60
+    assert not (tmp_path / "awake-1").exists()  # stopped while still asleep
     pids = _recorded_pids(tmp_path)
     assert len(pids) == 2
     _assert_none_left(pids)
@@ -768,8 +974,14 @@ def test_workers_that_do_not_share_the_checkpoint_directory_fail_clearly(
     (tmp_path / "ckpt-1").mkdir()
     out = tmp_path / "out"
     out.mkdir()
-    proc, _ = _launch(out, "--epochs", "2", "--ckpt", str(tmp_path / "ckpt-{rank}"),
-                      launcher_args=("--grace", "3"), timeout=180)
+    proc = _launch(
+        out,
+        "--epochs",
+        "2",
+        "--ckpt",
+        str(tmp_path / "ckpt-{rank}"),
+        launcher_args=("--grace", "3"),
+    )
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert "would resume from different checkpoints" in text
@@ -786,7 +998,8 @@ def test_throughput_and_wandb_in_a_real_two_worker_run(first_run):
         assert logs["samples_per_sec"] > 0
         assert logs["samples_per_sec_per_worker"] == pytest.approx(logs["samples_per_sec"] / 2)
         assert logs["samples_per_sec_per_replica"] == pytest.approx(
-            logs["samples_per_sec"] / 2)  # 2 replicas in all, one per worker
+            logs["samples_per_sec"] / 2
+        )  # 2 replicas in all, one per worker
     chief_runs = list((out / "observe" / "runs-0").rglob("run-*.wandb"))
     assert len(chief_runs) == 1
     assert not list((out / "observe" / "runs-1").rglob("*.wandb"))  # the worker logs nothing
