@@ -10,7 +10,10 @@ reported per replica, and training resumes from crash-safe checkpoints.
     python examples/cifar10_cnn.py --simulate-replicas 2  # 2 replicas on a laptop / CI
     python examples/cifar10_cnn.py --help
 
-Offline, `--data auto` (the default) trains on synthetic CIFAR-shaped data and says so.
+With no local copy and no usable download (offline, or behind a proxy or captive portal that
+answers with a web page, which is discarded), `--data auto` (the default) trains on synthetic
+CIFAR-shaped data and says so in one WARNING line with the reason. `--data synthetic` uses
+synthetic data outright; `--data cifar10` never falls back.
 """
 
 from __future__ import annotations
@@ -37,30 +40,69 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=TUTORIAL_LEARNING_RATE,
         help=f"base learning rate, tuned at batch size {TUTORIAL_BATCH_SIZE}",
     )
-    parser.add_argument("--lr-rule", choices=["linear", "sqrt", "none"], default="linear",
-                        help="how the learning rate grows with the global batch")
-    parser.add_argument("--warmup-epochs", type=float, default=0.0,
-                        help="ramp the learning rate up from the base over this many epochs")
-    parser.add_argument("--data", choices=["auto", "cifar10", "synthetic"], default="auto",
-                        help="auto: real CIFAR-10 if it can be had, else synthetic (loudly)")
-    parser.add_argument("--data-dir", default=None,
-                        help="a cifar-10-python.tar.gz or its extracted folder "
-                             "(default: the Keras cache, ~/.keras/datasets)")
-    parser.add_argument("--train-samples", type=int, default=None,
-                        help="use only the first N training samples (quick runs)")
-    parser.add_argument("--checkpoint-dir", default="cifar10_checkpoints",
-                        help="SyncedCheckpoint directory; a rerun resumes from it")
+    parser.add_argument(
+        "--lr-rule",
+        choices=["linear", "sqrt", "none"],
+        default="linear",
+        help="how the learning rate grows with the global batch",
+    )
+    parser.add_argument(
+        "--warmup-epochs",
+        type=float,
+        default=0.0,
+        help="ramp the learning rate up from the base over this many epochs",
+    )
+    parser.add_argument(
+        "--data",
+        choices=["auto", "cifar10", "synthetic"],
+        default="auto",
+        help="auto: real CIFAR-10 if it can be had, else synthetic (loudly)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="a cifar-10-python.tar.gz or its extracted folder "
+        "(default: the Keras cache, ~/.keras/datasets)",
+    )
+    parser.add_argument(
+        "--data-url",
+        default=None,
+        help="download CIFAR-10 from this mirror when there is no local copy "
+        "(default: the official URL); still checked against the "
+        "official SHA-256",
+    )
+    parser.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        help="use only the first N training samples (quick runs)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        default="cifar10_checkpoints",
+        help="SyncedCheckpoint directory; a rerun resumes from it",
+    )
     parser.add_argument("--no-checkpoint", action="store_true", help="do not checkpoint")
-    parser.add_argument("--simulate-replicas", type=int, default=None, metavar="N",
-                        help="split the CPU (or one GPU) into N replicas")
-    parser.add_argument("--wandb", action="store_true",
-                        help="log to Weights & Biases (needs keras-mirror-kit[wandb])")
+    parser.add_argument(
+        "--simulate-replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the CPU (or one GPU) into N replicas",
+    )
+    parser.add_argument(
+        "--wandb",
+        action="store_true",
+        help="log to Weights & Biases (needs keras-mirror-kit[wandb])",
+    )
     parser.add_argument("--wandb-project", default="keras-mirror-kit")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default="cifar10_cnn.keras",
-                        help="where to save the trained model (.keras)")
-    parser.add_argument("--verbose", type=int, default=2, choices=[0, 1, 2],
-                        help="Keras fit verbosity")
+    parser.add_argument(
+        "--output", default="cifar10_cnn.keras", help="where to save the trained model (.keras)"
+    )
+    parser.add_argument(
+        "--verbose", type=int, default=2, choices=[0, 1, 2], help="Keras fit verbosity"
+    )
     args = parser.parse_args(argv)
     for name in ("epochs", "per_replica_batch_size"):
         if getattr(args, name) <= 0:
@@ -71,30 +113,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_data(args: argparse.Namespace):
-    """Real CIFAR-10 when it can be had; otherwise synthetic data, said loudly."""
+    """Real CIFAR-10 when it can be had; otherwise synthetic data, said loudly.
+
+    `--data auto` falls back when there is no local copy and the download fails, or brings
+    something that is not CIFAR-10 (a proxy's or captive portal's web page): the loader has
+    discarded it, nothing is kept. A local copy that fails its check is the user's file: that
+    error is raised, never papered over. `--data cifar10` never falls back.
+    """
     from keras_mirror_kit.datasets import (
+        CIFAR10_URL,
+        CIFAR10ChecksumError,
+        CIFAR10FormatError,
         CIFAR10NotAvailableError,
         load_cifar10,
         make_synthetic_cifar10,
     )
 
-    if args.data == "synthetic":
-        return make_synthetic_cifar10(seed=args.seed), "synthetic"
-    try:
-        if args.data_dir:
-            return load_cifar10(args.data_dir), "cifar10"
-        return load_cifar10(timeout=20), "cifar10"
-    except CIFAR10NotAvailableError as err:
+    def unavailable(err: Exception):
         if args.data == "cifar10":
-            raise SystemExit(
-                f"error: --data cifar10, but CIFAR-10 cannot be had: {err}"
-            ) from None
+            raise SystemExit(f"error: --data cifar10, but CIFAR-10 cannot be had: {err}") from None
         reason = str(err).split(" Looked for")[0]
         logging.getLogger("cifar10_cnn").warning(
-            "TRAINING ON SYNTHETIC CIFAR-SHAPED DATA, NOT CIFAR-10 (real data unavailable: %s)",
+            "TRAINING ON SYNTHETIC CIFAR-SHAPED DATA, NOT CIFAR-10 "
+            "(real data unavailable: %s: %s)",
+            type(err).__name__,
             reason,
         )
         return make_synthetic_cifar10(seed=args.seed), "synthetic"
+
+    if args.data == "synthetic":
+        return make_synthetic_cifar10(seed=args.seed), "synthetic"
+    if args.data_dir:
+        try:
+            return load_cifar10(args.data_dir), "cifar10"  # an explicit path: no download
+        except CIFAR10NotAvailableError as err:
+            return unavailable(err)
+    try:
+        return load_cifar10(download=False), "cifar10"  # a local copy: its errors are raised
+    except CIFAR10NotAvailableError:
+        pass  # no local copy: download it
+    try:
+        return load_cifar10(url=args.data_url or CIFAR10_URL, timeout=20), "cifar10"
+    except (CIFAR10NotAvailableError, CIFAR10ChecksumError, CIFAR10FormatError) as err:
+        return unavailable(err)  # the download failed or was not CIFAR-10; nothing was kept
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -113,8 +174,9 @@ def main(argv: list[str] | None = None) -> float:
     if args.train_samples:
         x_train, y_train = x_train[: args.train_samples], y_train[: args.train_samples]
 
-    @kmk.distributed(per_replica_batch_size=args.per_replica_batch_size,
-                     lr_scaling_rule=args.lr_rule)
+    @kmk.distributed(
+        per_replica_batch_size=args.per_replica_batch_size, lr_scaling_rule=args.lr_rule
+    )
     def build_model(steps_per_epoch: int) -> keras.Model:
         dist = kmk.current()
         learning_rate = dist.scale_learning_rate(args.learning_rate, TUTORIAL_BATCH_SIZE)
@@ -135,13 +197,19 @@ def main(argv: list[str] | None = None) -> float:
     dist = build_model.distribution
     steps_per_epoch = len(x_train) // dist.global_batch_size
     model = build_model(steps_per_epoch)
-    train_ds = kmk.make_dataset(x_train, y_train, dist.global_batch_size, seed=args.seed,
-                                preprocess=kmk.rescale())
+    train_ds = kmk.make_dataset(
+        x_train, y_train, dist.global_batch_size, seed=args.seed, preprocess=kmk.rescale()
+    )
     # Evaluate on every test image, unless the last partial batch cannot be split evenly.
     remainder = len(x_test) % dist.global_batch_size
-    test_ds = kmk.make_dataset(x_test, y_test, dist.global_batch_size, shuffle=False,
-                               drop_remainder=remainder % dist.num_replicas != 0,
-                               preprocess=kmk.rescale())
+    test_ds = kmk.make_dataset(
+        x_test,
+        y_test,
+        dist.global_batch_size,
+        shuffle=False,
+        drop_remainder=remainder % dist.num_replicas != 0,
+        preprocess=kmk.rescale(),
+    )
 
     callbacks: list[keras.callbacks.Callback] = [kmk.ThroughputMonitor()]
     if not args.no_checkpoint:
@@ -151,8 +219,13 @@ def main(argv: list[str] | None = None) -> float:
 
         callbacks.append(WandbLogger(project=args.wandb_project, config=vars(args)))
 
-    model.fit(train_ds, validation_data=test_ds, epochs=args.epochs, callbacks=callbacks,
-              verbose=args.verbose)
+    model.fit(
+        train_ds,
+        validation_data=test_ds,
+        epochs=args.epochs,
+        callbacks=callbacks,
+        verbose=args.verbose,
+    )
     loss, accuracy = model.evaluate(test_ds, verbose=0)
     print(f"Test accuracy: {accuracy * 100:.2f}% (loss {loss:.4f})")
     if dist.is_chief:

@@ -4,20 +4,26 @@ Every archive here is written in the real "CIFAR-10 python version" format: a
 gzip tar holding `cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}`,
 each a pickle *as Python 2's cPickle wrote it* (protocol 2, byte strings as
 BINSTRING, arrays through `numpy.core.multiarray._reconstruct`), just with
-fewer rows than the official 10000 per batch. No test touches the network.
+fewer rows than the official 10000 per batch. No test touches the network: downloads
+go to `file://` URLs or to an HTTP server on 127.0.0.1 run by the test (`serve`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import http.server
 import io
+import ipaddress
 import os
 import pickle
 import shlex
 import socket
 import struct
 import tarfile
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -253,16 +259,93 @@ def assert_loaded(result: object, cifar: Cifar) -> None:
     np.testing.assert_array_equal(y_test, ey_test)
 
 
+@dataclass
+class Served:
+    """What `serve` answers with, and the paths it was asked for."""
+
+    body: bytes
+    status: int = 200
+    content_type: str = "application/gzip"
+    requests: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def serve(served: Served) -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1 (in a thread); yields the URL of the archive on it."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            served.requests.append(self.path)
+            self.send_response(served.status)
+            self.send_header("Content-Type", served.content_type)
+            self.send_header("Content-Length", str(len(served.body)))
+            self.end_headers()
+            self.wfile.write(served.body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # keep the test output quiet
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/cifar-10-python.tar.gz"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+CAPTIVE_PORTAL = Served(
+    b"<!DOCTYPE html><html><head><title>Sign in to the network</title></head>"
+    b"<body><form action='/login'>Accept the terms to continue</form></body></html>",
+    content_type="text/html; charset=utf-8",
+)
+
+
+def _is_loopback(host: object) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(str(host)).is_loopback
+    except ValueError:
+        return False
+
+
+# For the environment of anything that downloads from `serve`: a user's `http_proxy` must
+# not receive the requests meant for 127.0.0.1 (urllib bypasses only what `no_proxy` lists).
+NO_PROXY_ENV = {"no_proxy": "127.0.0.1,localhost,::1", "NO_PROXY": "127.0.0.1,localhost,::1"}
+
+
 @pytest.fixture(autouse=True)
 def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any attempt to resolve or connect fails, as it would on an offline machine."""
+    """Any attempt to reach beyond this machine fails, as it would on an offline machine.
 
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise OSError("network disabled in tests")
+    Loopback stays open, and bypasses any proxy, for the tests' own server (`serve`).
+    """
+    for name, value in NO_PROXY_ENV.items():
+        monkeypatch.setenv(name, value)
+    real_getaddrinfo = socket.getaddrinfo
+    real_connect = socket.socket.connect
+    real_connect_ex = socket.socket.connect_ex
 
-    monkeypatch.setattr(socket, "getaddrinfo", refuse)
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    def getaddrinfo(host: object, *args: object, **kwargs: object) -> object:
+        if not _is_loopback(host):
+            raise OSError("network disabled in tests")
+        return real_getaddrinfo(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    def guard(real: object) -> object:
+        def connect(sock: socket.socket, address: object) -> object:
+            host = address[0] if isinstance(address, tuple) else None
+            if not _is_loopback(host):
+                raise OSError("network disabled in tests")
+            return real(sock, address)  # type: ignore[operator]
+
+        return connect
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket.socket, "connect", guard(real_connect))
+    monkeypatch.setattr(socket.socket, "connect_ex", guard(real_connect_ex))
 
 
 @pytest.fixture(autouse=True)
@@ -574,6 +657,88 @@ def test_download_never_overwrites_a_file_that_appears_meanwhile(
     monkeypatch.undo()
     load_cifar10(cache_dir=cache, sha256=digest, url=source.as_uri())
     assert dest.stat().st_ino == inode  # the same file, never replaced
+
+
+# --------------------------------------------------------------------------------------
+# Download over HTTP, from a real server on 127.0.0.1.
+# --------------------------------------------------------------------------------------
+
+
+def test_download_over_http_from_a_local_server(keras_home: Path, cifar: Cifar) -> None:
+    archive = keras_home.parent / "served.tar.gz"
+    digest = write_archive(archive, cifar.files)
+    served = Served(archive.read_bytes())
+    with serve(served) as url:
+        assert_loaded(load_cifar10(sha256=digest, url=url, timeout=30), cifar)
+        assert served.requests == ["/cifar-10-python.tar.gz"]
+        datasets = keras_home / "datasets"
+        assert snapshot(datasets) == {"cifar-10-python.tar.gz": archive.read_bytes()}
+        # Cached now: the second call reads the saved copy, the server is not asked again.
+        assert_loaded(load_cifar10(sha256=digest, url=url, timeout=30), cifar)
+        assert len(served.requests) == 1
+
+
+def test_captive_portal_page_is_a_checksum_error_and_is_not_kept(keras_home: Path) -> None:
+    served = Served(CAPTIVE_PORTAL.body, content_type=CAPTIVE_PORTAL.content_type)
+    with serve(served) as url, pytest.raises(CIFAR10ChecksumError) as info:
+        load_cifar10(url=url, timeout=30)
+    assert served.requests == ["/cifar-10-python.tar.gz"]  # it really was downloaded
+    error = info.value
+    assert (error.path, error.expected) == (url, CIFAR10_SHA256)
+    assert error.actual == hashlib.sha256(CAPTIVE_PORTAL.body).hexdigest()
+    assert "discarded" in str(error) and "proxy" in str(error)
+    # Nothing kept: no final file and no temporary file.
+    assert snapshot(keras_home) == {}
+
+
+def test_captive_portal_page_without_hash_check_is_a_format_error_and_is_not_kept(
+    keras_home: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # sha256=None skips the hash: the page must still never land in the cache, where every
+    # later call would find it and fail.
+    with (
+        serve(Served(CAPTIVE_PORTAL.body, content_type="text/html")) as url,
+        caplog.at_level("WARNING", logger="keras_mirror_kit.datasets.cifar10"),
+        pytest.raises(CIFAR10FormatError, match="not a readable gzip-compressed tar") as info,
+    ):
+        load_cifar10(url=url, sha256=None, timeout=30)
+    assert f"The file downloaded from {url} is not the CIFAR-10 archive" in str(info.value)
+    assert "Skipping the SHA-256 check of the download" in caplog.text
+    assert snapshot(keras_home) == {}
+
+
+def test_downloaded_archive_missing_a_batch_is_not_kept(keras_home: Path, cifar: Cifar) -> None:
+    archive = keras_home.parent / "partial.tar.gz"
+    digest = write_archive(archive, {k: v for k, v in cifar.files.items() if k != TEST})
+    with (
+        serve(Served(archive.read_bytes())) as url,
+        pytest.raises(CIFAR10FormatError, match="lacks test_batch"),
+    ):
+        load_cifar10(url=url, sha256=digest, timeout=30)
+    assert snapshot(keras_home) == {}
+
+
+@pytest.mark.parametrize("status", [404, 503])
+def test_http_error_status_is_not_available_and_saves_nothing(
+    keras_home: Path, status: int
+) -> None:
+    served = Served(b"<html>error</html>", status=status, content_type="text/html")
+    with serve(served) as url, pytest.raises(CIFAR10NotAvailableError) as info:
+        load_cifar10(url=url, timeout=30)
+    assert f"HTTP Error {status}" in str(info.value) and "nothing was saved" in str(info.value)
+    assert snapshot(keras_home) == {}
+
+
+def test_users_cached_file_is_never_replaced_by_a_download(keras_home: Path, cifar: Cifar) -> None:
+    # The user's copy fails the hash: it is reported, the server is never asked.
+    cached = keras_home / "datasets" / "cifar-10-python.tar.gz"
+    write_archive(cached, cifar.files)
+    before = snapshot(keras_home)
+    served = Served(CAPTIVE_PORTAL.body)
+    with serve(served) as url, pytest.raises(CIFAR10ChecksumError, match="left untouched"):
+        load_cifar10(url=url, timeout=30)
+    assert served.requests == []
+    assert snapshot(keras_home) == before
 
 
 def test_argument_validation(tmp_path: Path) -> None:

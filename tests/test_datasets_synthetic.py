@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import tracemalloc
 
 import numpy as np
@@ -30,13 +29,11 @@ def test_empty_splits() -> None:
     assert x_test.dtype == np.uint8 and y_train.dtype == np.uint8
 
 
-def test_default_sizes_are_cifar_sizes_and_quick() -> None:
-    start = time.perf_counter()
+def test_default_sizes_are_cifar_sizes() -> None:
+    # How fast: benchmarks/synthetic_generation.py (a figure of the machine, not a test).
     (x_train, y_train), (x_test, y_test) = make_synthetic_cifar10()
-    elapsed = time.perf_counter() - start
     assert x_train.shape == (50000, 32, 32, 3) and y_train.shape == (50000, 1)
     assert x_test.shape == (10000, 32, 32, 3) and y_test.shape == (10000, 1)
-    assert elapsed < 30, f"generating 60000 images took {elapsed:.1f} s"
 
 
 def test_deterministic_from_seed() -> None:

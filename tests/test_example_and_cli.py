@@ -1,42 +1,104 @@
-"""The CIFAR-10 example and the `keras-mirror-kit` command line, run as a user would."""
+"""The CIFAR-10 example and the `keras-mirror-kit` command line, run as a user would.
+
+Nothing here depends on the network being there or not: the example is always pointed at
+a server of the test's own on 127.0.0.1 (`--data-url`), or at local files.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
 from tests.subproc import REPO
+from tests.test_datasets_cifar10 import CAPTIVE_PORTAL, NO_PROXY_ENV, Served, serve, snapshot
 
 EXAMPLE = str(REPO / "examples" / "cifar10_cnn.py")
 
 
 def run(args, cwd, timeout=400, env=None):
     full_env = {k: v for k, v in os.environ.items() if k not in ("KMK_SIMULATE_REPLICAS",)}
-    full_env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2",
-                    KERAS_HOME=str(cwd / "keras_home"), **(env or {}))
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+    full_env.update(
+        PYTHONPATH=str(REPO),
+        TF_CPP_MIN_LOG_LEVEL="2",
+        KERAS_HOME=str(cwd / "keras_home"),
+        **NO_PROXY_ENV,  # the test's servers are on 127.0.0.1, whatever proxy is set
+        **(env or {}),
+    )
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_example_help_lists_the_flags(tmp_path):
     proc = run([EXAMPLE, "--help"], tmp_path)
     assert proc.returncode == 0
-    for flag in ("--epochs", "--per-replica-batch-size", "--learning-rate", "--lr-rule",
-                 "--warmup-epochs", "--data", "--data-dir", "--checkpoint-dir",
-                 "--simulate-replicas", "--wandb", "--output"):
+    for flag in (
+        "--epochs",
+        "--per-replica-batch-size",
+        "--learning-rate",
+        "--lr-rule",
+        "--warmup-epochs",
+        "--data",
+        "--data-dir",
+        "--data-url",
+        "--checkpoint-dir",
+        "--simulate-replicas",
+        "--wandb",
+        "--output",
+    ):
         assert flag in proc.stdout
 
 
-def test_example_offline_trains_on_synthetic_data_loudly_and_saves(tmp_path):
-    proc = run([EXAMPLE, "--epochs", "2", "--simulate-replicas", "2", "--train-samples", "4096",
-                "--warmup-epochs", "0.5", "--output", "out/model.keras"], tmp_path)
+@contextlib.contextmanager
+def refused_url() -> Iterator[str]:
+    """A URL on 127.0.0.1 whose port is bound but not listening: connecting is refused."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{holder.getsockname()[1]}/cifar-10-python.tar.gz"
+
+
+def synthetic_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "SYNTHETIC" in line]
+
+
+def test_example_auto_falls_back_loudly_when_the_download_fails_and_saves(tmp_path):
+    args = [
+        EXAMPLE,
+        "--epochs",
+        "2",
+        "--simulate-replicas",
+        "2",
+        "--train-samples",
+        "4096",
+        "--warmup-epochs",
+        "0.5",
+        "--output",
+        "out/model.keras",
+    ]
+    with refused_url() as url:
+        proc = run([*args, "--data-url", url], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    loud = [line for line in proc.stderr.splitlines() if "SYNTHETIC" in line]
-    assert len(loud) == 1 and "real data unavailable" in loud[0]
+    loud = synthetic_lines(proc.stderr)
+    assert len(loud) == 1, loud
+    assert loud[0].startswith("WARNING cifar10_cnn: TRAINING ON SYNTHETIC CIFAR-SHAPED DATA")
+    assert (
+        f"real data unavailable: CIFAR10NotAvailableError: Downloading CIFAR-10 from {url}"
+        in loud[0]
+    )
+    assert snapshot(tmp_path / "keras_home" / "datasets") == {}  # nothing saved
     assert "2 replicas" in proc.stderr and "global batch 128 = 64 per replica x 2" in proc.stderr
     accuracy = float(proc.stdout.split("Test accuracy: ")[1].split("%")[0])
     assert accuracy > 25.0  # chance is 10%
@@ -49,14 +111,78 @@ def test_example_offline_trains_on_synthetic_data_loudly_and_saves(tmp_path):
 
     model = keras.saving.load_model(tmp_path / "out" / "model.keras")
     assert [type(layer).__name__ for layer in model.layers] == [
-        "Conv2D", "MaxPooling2D", "Flatten", "Dense", "Dense"]
+        "Conv2D",
+        "MaxPooling2D",
+        "Flatten",
+        "Dense",
+        "Dense",
+    ]
     # A rerun resumes from the checkpoint: nothing left to train, same accuracy.
-    again = run([EXAMPLE, "--epochs", "2", "--simulate-replicas", "2", "--train-samples", "4096",
-                 "--warmup-epochs", "0.5", "--output", "out/model.keras"], tmp_path)
+    with refused_url() as url:
+        again = run([*args, "--data-url", url], tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stderr and "(epoch 2, batch 0" in again.stderr
     assert float(again.stdout.split("Test accuracy: ")[1].split("%")[0]) == pytest.approx(
-        accuracy, abs=0.01)
+        accuracy, abs=0.01
+    )
+
+
+def test_example_auto_falls_back_loudly_behind_a_captive_portal(tmp_path):
+    served = Served(CAPTIVE_PORTAL.body, content_type=CAPTIVE_PORTAL.content_type)
+    with serve(served) as url:
+        proc = run(
+            [
+                EXAMPLE,
+                "--data-url",
+                url,
+                "--epochs",
+                "1",
+                "--train-samples",
+                "256",
+                "--per-replica-batch-size",
+                "32",
+                "--no-checkpoint",
+            ],
+            tmp_path,
+            env={"KMK_SIMULATE_REPLICAS": "1"},
+        )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert served.requests == ["/cifar-10-python.tar.gz"]  # the page was downloaded
+    loud = synthetic_lines(proc.stderr)
+    assert len(loud) == 1, loud
+    assert "real data unavailable: CIFAR10ChecksumError: The file downloaded from" in loud[0]
+    assert "discarded" in loud[0]
+    assert "Traceback" not in proc.stderr and "Test accuracy:" in proc.stdout
+    assert snapshot(tmp_path / "keras_home" / "datasets") == {}  # the page was not kept
+
+
+def test_example_cifar10_mode_refuses_a_captive_portal_page(tmp_path):
+    served = Served(CAPTIVE_PORTAL.body, content_type=CAPTIVE_PORTAL.content_type)
+    with serve(served) as url:
+        proc = run([EXAMPLE, "--data", "cifar10", "--data-url", url], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    assert served.requests == ["/cifar-10-python.tar.gz"]
+    assert (
+        "error: --data cifar10, but CIFAR-10 cannot be had: The file downloaded from"
+        in proc.stderr
+    )
+    assert "SHA-256" in proc.stderr and "Traceback" not in proc.stderr
+    assert not synthetic_lines(proc.stderr)
+    assert snapshot(tmp_path / "keras_home" / "datasets") == {}
+
+
+def test_example_auto_never_papers_over_a_bad_local_copy(tmp_path):
+    cached = tmp_path / "keras_home" / "datasets" / "cifar-10-python.tar.gz"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"a half-finished download")
+    served = Served(CAPTIVE_PORTAL.body)
+    with serve(served) as url:
+        proc = run([EXAMPLE, "--data-url", url], tmp_path)
+    assert proc.returncode != 0
+    assert "CIFAR10ChecksumError" in proc.stderr and "left untouched" in proc.stderr
+    assert not synthetic_lines(proc.stderr)
+    assert served.requests == []  # a local copy exists: no download
+    assert cached.read_bytes() == b"a half-finished download"
 
 
 def test_example_refuses_to_stand_in_synthetic_for_real_data(tmp_path):
@@ -72,17 +198,33 @@ def test_example_reads_real_format_cifar10_from_data_dir(tmp_path):
     from tests.test_datasets_cifar10 import make_cifar, write_folder  # the real format
 
     folder = write_folder(tmp_path / "data", make_cifar().files)  # 20 train, 3 test images
-    proc = run([EXAMPLE, "--data", "cifar10", "--data-dir", str(folder), "--epochs", "1",
-                "--no-checkpoint", "--per-replica-batch-size", "16"], tmp_path,
-               env={"KMK_SIMULATE_REPLICAS": "1"})
+    proc = run(
+        [
+            EXAMPLE,
+            "--data",
+            "cifar10",
+            "--data-dir",
+            str(folder),
+            "--epochs",
+            "1",
+            "--no-checkpoint",
+            "--per-replica-batch-size",
+            "16",
+        ],
+        tmp_path,
+        env={"KMK_SIMULATE_REPLICAS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "SYNTHETIC" not in proc.stderr and "Test accuracy:" in proc.stdout
     assert np.isfinite(float(proc.stdout.split("(loss ")[1].split(")")[0]))
 
 
 def test_cli_info_reports_versions_devices_and_choice(tmp_path):
-    proc = run(["-m", "keras_mirror_kit.cli", "info", "--json"], tmp_path,
-               env={"KMK_SIMULATE_REPLICAS": "2"})
+    proc = run(
+        ["-m", "keras_mirror_kit.cli", "info", "--json"],
+        tmp_path,
+        env={"KMK_SIMULATE_REPLICAS": "2"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout)
     import keras
@@ -99,22 +241,79 @@ def test_cli_info_reports_versions_devices_and_choice(tmp_path):
     assert "MirroredStrategy" in text.stdout
 
 
-def test_cli_bench_prints_a_table_and_writes_json_and_plot(tmp_path):
-    proc = run(["-m", "keras_mirror_kit.cli", "bench", "--replicas", "1,2",
-                "--per-replica-batch-size", "32", "--steps", "12", "--json", "b.json",
-                "--plot", "b.png"], tmp_path)
+def test_cli_bench_figures_agree_with_what_was_requested_and_measured(tmp_path):
+    per_replica, steps = 32, 12
+    proc = run(
+        [
+            "-m",
+            "keras_mirror_kit.cli",
+            "bench",
+            "--replicas",
+            "1,2",
+            "--per-replica-batch-size",
+            str(per_replica),
+            "--steps",
+            str(steps),
+            "--json",
+            "b.json",
+            "--plot",
+            "b.png",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[1/2] 1 replica(s)" in proc.stdout and "[2/2] 2 replica(s)" in proc.stdout
-    assert "samples/s" in proc.stdout and "efficiency" in proc.stdout
+    assert f"[1/2] 1 replica(s), {steps} steps" in proc.stdout
+    assert f"[2/2] 2 replica(s), {steps} steps" in proc.stdout
     results = json.loads((tmp_path / "b.json").read_text())
+
+    # What was asked for: the replica counts, each on its own devices, and the batch.
     assert [r["replicas"] for r in results] == [1, 2]
-    assert [r["global_batch_size"] for r in results] == [32, 64]
     for r in results:
-        assert r["samples_per_sec"] > 0
+        n = r["replicas"]
+        assert len(r["devices"]) == n and len(set(r["devices"])) == n, r["devices"]
+        assert r["global_batch_size"] == per_replica * n
+        assert r["dataset_batch_size"] == r["global_batch_size"]  # samples per step
+        assert r["steps"] == steps and r["measured_steps"] == steps  # warm-up on top
+        assert r["warmup_steps"] >= 1
+
+    # The rates come from the measurement: recomputed here from the raw figures.
+    for r in results:
+        for key in ("measured_seconds", "fit_seconds", "samples_per_sec", "steps_per_sec"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r[key])
+        assert r["measured_seconds"] < r["fit_seconds"]  # warm-up and set-up excluded
+        assert r["steps_per_sec"] == pytest.approx(r["measured_steps"] / r["measured_seconds"])
+        assert r["samples_per_sec"] == pytest.approx(
+            r["measured_steps"] * r["global_batch_size"] / r["measured_seconds"]
+        )
         assert r["samples_per_sec_per_replica"] == pytest.approx(
-            r["samples_per_sec"] / r["replicas"])
-    assert results[0]["scaling_efficiency"] == pytest.approx(1.0)
-    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            r["samples_per_sec"] / r["replicas"]
+        )
+    # Efficiency, as docs/cli.md defines it: per-replica throughput relative to the first run.
+    base = results[0]["samples_per_sec"] / results[0]["replicas"]
+    for r in results:
+        assert r["scaling_efficiency"] == pytest.approx(
+            r["samples_per_sec"] / r["replicas"] / base
+        )
+
+    # The printed table shows the same figures as the JSON, row by row.
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["replicas"])
+    assert set(lines[header + 1]) == {"-"}
+    for r, line in zip(results, lines[header + 2 : header + 2 + len(results)], strict=True):
+        cells = line.split()
+        assert [int(cells[0]), int(cells[1])] == [r["replicas"], r["global_batch_size"]]
+        assert float(cells[2]) == pytest.approx(r["samples_per_sec"], abs=0.051)
+        assert float(cells[3]) == pytest.approx(r["samples_per_sec_per_replica"], abs=0.051)
+        assert float(cells[4]) == pytest.approx(r["scaling_efficiency"], abs=0.0051)
+
+    # The chart is a real PNG image (decoded, not just its magic bytes), not a blank one.
+    import matplotlib.image
+
+    png = tmp_path / "b.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(png)
+    assert image.shape[:2] == (350, 900)  # figsize (9, 3.5) at 100 dpi
+    assert len({tuple(px) for px in image.reshape(-1, image.shape[-1])[::97]}) > 10
 
 
 @pytest.mark.parametrize("replicas", ["0", "one", "1,,-2"])

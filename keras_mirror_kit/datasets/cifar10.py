@@ -328,7 +328,6 @@ def _checksum_message(path: Path, expected: str, actual: str, url: str) -> str:
 
 def _read_archive(path: Path, sha256: str | None, url: str) -> dict[str, Split]:
     """Verifies and reads the batches of a `cifar-10-python.tar.gz` without extracting it."""
-    batches: dict[str, Split] = {}
     with open(path, "rb") as f:
         actual = _hash_file(f)
         if sha256 is None:
@@ -343,35 +342,41 @@ def _read_archive(path: Path, sha256: str | None, url: str) -> dict[str, Split]:
                 actual=actual,
             )
         f.seek(0)
-        try:
-            # Stream mode: one sequential pass; members are read, never extracted.
-            with tarfile.open(fileobj=f, mode="r|gz") as tar:
-                for member in tar:
-                    name = member.name[2:] if member.name.startswith("./") else member.name
-                    folder, _, leaf = name.partition("/")
-                    if folder != CIFAR10_FOLDER_NAME or leaf not in _MEMBERS:
-                        continue  # batches.meta, readme.html, or anything unexpected
-                    source = f"{path}:{member.name}"
-                    if not member.isreg():
-                        raise CIFAR10FormatError(
-                            f"{source} must be a regular file, not a link or special file; "
-                            f"refusing to follow it. Received: member type={member.type!r}"
-                        )
-                    if leaf in batches:
-                        raise CIFAR10FormatError(
-                            f"{path} contains {member.name} more than once; refusing an "
-                            f"ambiguous archive. Received: duplicate member={member.name!r}"
-                        )
-                    if member.size > _MAX_MEMBER_BYTES:
-                        raise _too_large(source, member.size)
-                    fileobj = tar.extractfile(member)
-                    raw = fileobj.read() if fileobj is not None else b""
-                    batches[leaf] = _parse_batch(raw, source)
-        except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
-            raise CIFAR10FormatError(
-                f"{path} is not a readable gzip-compressed tar archive ({e}). Expected the "
-                f"official {CIFAR10_ARCHIVE_NAME} from {url}. Received: path={str(path)!r}"
-            ) from e
+        return _read_tar(f, str(path), url)
+
+
+def _read_tar(f: BinaryIO, where: str, url: str) -> dict[str, Split]:
+    """Reads the batches of the gzip tar `f` in one pass; `where` names it in errors."""
+    batches: dict[str, Split] = {}
+    try:
+        # Stream mode: one sequential pass; members are read, never extracted.
+        with tarfile.open(fileobj=f, mode="r|gz") as tar:
+            for member in tar:
+                name = member.name[2:] if member.name.startswith("./") else member.name
+                folder, _, leaf = name.partition("/")
+                if folder != CIFAR10_FOLDER_NAME or leaf not in _MEMBERS:
+                    continue  # batches.meta, readme.html, or anything unexpected
+                source = f"{where}:{member.name}"
+                if not member.isreg():
+                    raise CIFAR10FormatError(
+                        f"{source} must be a regular file, not a link or special file; "
+                        f"refusing to follow it. Received: member type={member.type!r}"
+                    )
+                if leaf in batches:
+                    raise CIFAR10FormatError(
+                        f"{where} contains {member.name} more than once; refusing an "
+                        f"ambiguous archive. Received: duplicate member={member.name!r}"
+                    )
+                if member.size > _MAX_MEMBER_BYTES:
+                    raise _too_large(source, member.size)
+                fileobj = tar.extractfile(member)
+                raw = fileobj.read() if fileobj is not None else b""
+                batches[leaf] = _parse_batch(raw, source)
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+        raise CIFAR10FormatError(
+            f"{where} is not a readable gzip-compressed tar archive ({e}). Expected the "
+            f"official {CIFAR10_ARCHIVE_NAME} from {url}. Received: path={where!r}"
+        ) from e
     return batches
 
 
@@ -432,13 +437,10 @@ def _check_url(url: str) -> None:
 
 def _download(
     url: str, dest: Path, sha256: str | None, timeout: float, checked: list[str]
-) -> None:
-    """Downloads `url` to `dest` through a temporary file in the same directory.
-
-    The temporary file is verified before it is renamed to `dest`; on any failure
-    it is removed, so neither a partial nor an unverified file is left behind.
-    An existing `dest` is never overwritten.
-    """
+) -> tuple[Split, Split]:
+    """Downloads `url`, verified in a temporary file before it is linked to `dest`; its data."""
+    # On any failure the temporary file is removed: neither a partial nor an unverified file
+    # (a proxy's HTML page) is ever left behind, and an existing `dest` is never overwritten.
     logger.info("Downloading CIFAR-10 from %s to %s", url, dest)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -449,6 +451,7 @@ def _download(
             f"({e}). {_how_to_provide(checked, url)}"
         ) from e
     tmp = Path(tmp_name)
+    discarded = f"It was discarded and nothing was written to {dest}."
     try:
         digest = hashlib.sha256()
         try:
@@ -465,16 +468,30 @@ def _download(
                 f"{_how_to_provide(checked, url)}"
             ) from e
         actual = digest.hexdigest()
-        if sha256 is not None and actual != sha256:
+        if sha256 is None:
+            logger.warning(
+                "Skipping the SHA-256 check of the download from %s (sha256=None); it is %s",
+                url,
+                actual,
+            )
+        elif actual != sha256:
             raise CIFAR10ChecksumError(
                 f"The file downloaded from {url} has SHA-256 {actual}, expected {sha256}. "
-                f"It was discarded and nothing was written to {dest}. Retry later, check any "
-                f"proxy or mirror in between, or download {CIFAR10_ARCHIVE_NAME} yourself and "
-                f"pass its path. Received: url={url!r}",
+                f"{discarded} A proxy or captive portal that answers with a web page "
+                f"causes this. Retry later, check any proxy or mirror in between, or "
+                f"download {CIFAR10_ARCHIVE_NAME} yourself and pass its path. "
+                f"Received: url={url!r}",
                 path=url,
                 expected=sha256,
                 actual=actual,
             )
+        try:
+            with open(tmp, "rb") as f:
+                data = _assemble(_read_tar(f, url, url), url)
+        except CIFAR10FormatError as e:
+            raise CIFAR10FormatError(
+                f"The file downloaded from {url} is not the CIFAR-10 archive. {discarded} {e}"
+            ) from e
         os.chmod(tmp, 0o644)
         try:
             # A hard link never replaces an existing file, unlike os.replace: a file that
@@ -482,13 +499,14 @@ def _download(
             os.link(tmp, dest)
         except FileExistsError:
             logger.warning("%s appeared during the download; keeping it.", dest)
-            return
+            return data
         except OSError:  # a filesystem without hard links: check, then rename
             if dest.exists():
                 logger.warning("%s appeared during the download; keeping it.", dest)
-                return
+                return data
             os.replace(tmp, dest)
         logger.info("Saved %s (sha256 %s)", dest, actual)
+        return data
     finally:
         # Only ever removes the temporary file created above.
         if tmp.exists():
@@ -530,7 +548,9 @@ def load_cifar10(
        `cifar-10-batches-py-target/cifar-10-batches-py/`.
     3. Only if none exists and `download=True`: `url` is downloaded to
        `<cache dir>/cifar-10-python.tar.gz` via a temporary file that is verified
-       before it is renamed into place.
+       (SHA-256, then read as CIFAR-10) before it is put in place. A download that
+       fails verification, such as a proxy's or captive portal's web page, is
+       discarded: nothing is written to the cache.
 
     Archives are checked against `sha256` before anything in them is read, and
     only the expected members are read, in memory (nothing is extracted). Batches
@@ -558,8 +578,9 @@ def load_cifar10(
     Raises:
         CIFAR10NotAvailableError: If no copy was found and downloading is disabled or
             failed; the message lists where it looked and how to provide the file.
-        CIFAR10ChecksumError: If an archive's SHA-256 is not `sha256`.
-        CIFAR10FormatError: If the data is not in the CIFAR-10 python format.
+        CIFAR10ChecksumError: If an archive's SHA-256 (or a download's) is not `sha256`.
+        CIFAR10FormatError: If the data (local or downloaded) is not in the CIFAR-10
+            python format.
         pickle.UnpicklingError: If a batch references a global that is not allowed
             (`UnsafePickleError`) or is not a valid pickle.
         ValueError: If `path` and `cache_dir` are both given, or `sha256`/`url` is malformed.
@@ -611,8 +632,7 @@ def load_cifar10(
                 )
             writable = [d for d in search if _is_writable(d)]
             dest = (writable[0] if writable else search[0]) / CIFAR10_ARCHIVE_NAME
-            _download(url, dest, sha256, timeout, checked)
-            found = ("archive", dest)
+            return _download(url, dest, sha256, timeout, checked)
 
     kind, source = found
     logger.info("Loading CIFAR-10 from %s", _describe(kind, source))
