@@ -12,8 +12,11 @@ the config, the per-step history, metric definitions and artifact records.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import struct
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,10 +34,12 @@ from tests.subproc import REPO, last_json, run_python
 
 wandb = pytest.importorskip("wandb")
 from wandb.proto import wandb_internal_pb2  # noqa: E402
+from wandb.sdk.lib.hashutil import md5_file_b64  # noqa: E402
 
 from keras_mirror_kit.integrations.wandb import WandbLogger  # noqa: E402
 
 SAMPLES = 32
+CKPT_FILE = re.compile(r"ckpt-\d{8}\.npz")  # SyncedCheckpoint's checkpoint files
 
 
 def quiet_settings() -> Any:
@@ -118,16 +123,34 @@ def _finished_records(path: Path, timeout: float = 60.0) -> list[Any]:
         time.sleep(0.05)
 
 
+def run_files(root: Path) -> list[Path]:
+    """The `run-<id>.wandb` files under `root`, oldest first."""
+    return sorted(root.glob("wandb/*run-*/run-*.wandb"))
+
+
 def read_run(root: Path) -> SimpleNamespace:
     """Config, history rows, summary, metric definitions and artifacts of the one run."""
-    files = sorted(root.glob("wandb/*run-*/run-*.wandb"))
+    files = run_files(root)
     assert len(files) == 1, files
+    return read_run_file(files[0])
+
+
+def read_run_file(path: Path) -> SimpleNamespace:
+    """What `read_run` returns, for one `run-<id>.wandb` file."""
     run = SimpleNamespace(
-        config={}, history=[], summary={}, metrics={}, artifacts=[], exited=False
+        id=None,
+        config={},
+        history=[],
+        summary={},
+        metrics={},
+        artifacts=[],
+        exited=False,
+        exit_code=None,
     )
-    for record in _finished_records(files[0]):
+    for record in _finished_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
+            run.id = record.run.run_id
             for item in record.run.config.update:
                 run.config[_key(item)] = json.loads(item.value_json)
         elif kind == "config":
@@ -149,11 +172,13 @@ def read_run(root: Path) -> SimpleNamespace:
                     type=record.artifact.type,
                     aliases=list(record.artifact.aliases),
                     paths=sorted(entry.path for entry in record.artifact.manifest.contents),
+                    digests={e.path: e.digest for e in record.artifact.manifest.contents},
                     metadata=json.loads(record.artifact.metadata or "{}"),
                 )
             )
         elif kind == "exit":
             run.exited = True
+            run.exit_code = record.exit.exit_code
     return run
 
 
@@ -194,19 +219,57 @@ class AddsThroughput(keras.callbacks.Callback):
         logs["note"] = "not a number"
 
 
-class WritesCheckpoints(keras.callbacks.Callback):
-    """Stands in for SyncedCheckpoint: weights, a manifest, and files to skip."""
+class SeesCheckpoints(keras.callbacks.Callback):
+    """Listed between SyncedCheckpoint and WandbLogger: at each epoch end, adds a partial
+    write and a hidden file (both to be skipped), then records what the logger will find."""
 
     def __init__(self, directory: Path) -> None:
         super().__init__()
         self.directory = directory
+        self.seen: list[dict[str, str]] = []
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        self.directory.mkdir(exist_ok=True)
-        self.model.save_weights(str(self.directory / f"ckpt-{epoch + 1}.weights.h5"))
-        (self.directory / "manifest.json").write_text(json.dumps({"latest": epoch + 1}))
-        (self.directory / "ckpt-next.weights.h5.tmp").write_text("partial")
+        (self.directory / "ckpt-next.npz.tmp").write_text("partial")
         (self.directory / ".lock").write_text("")
+        self.seen.append(uploadable(self.directory))
+
+
+def uploadable(directory: Path) -> dict[str, str]:
+    """The files an upload of `directory` should hold (no hidden, no `*.tmp`), with MD5s."""
+    found = {}
+    for path in sorted(directory.rglob("*")):
+        rel = path.relative_to(directory)
+        if path.is_file() and not path.name.endswith(".tmp"):
+            if not any(part.startswith(".") for part in rel.parts):
+                found[rel.as_posix()] = md5_file_b64(str(path))
+    return found
+
+
+class TrainingFailed(RuntimeError):
+    pass
+
+
+class RaisesAtBatch(keras.callbacks.Callback):
+    """Raises TrainingFailed from on_train_batch_end at (epoch, batch), both 0-based."""
+
+    def __init__(self, epoch: int, batch: int) -> None:
+        super().__init__()
+        self.at = (epoch, batch)
+        self._epoch = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if (self._epoch, batch) == self.at:
+            raise TrainingFailed(f"failed at epoch {self._epoch}, batch {batch}")
+
+
+def plain_model() -> keras.Model:
+    """A model the kit did not build: no kit `fit()` wrapper, no on_fit_exception call."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
 
 
 # --- import guard ------------------------------------------------------------------------
@@ -333,6 +396,20 @@ def test_epoch_logs_include_values_added_by_earlier_callbacks(tmp_path):
     assert logged.summary["samples_per_sec"] == pytest.approx(101.0)
 
 
+def test_a_logger_listed_before_the_monitor_still_logs_its_figures(tmp_path):
+    """Users append the kit's callbacks to lists they already have: the kit's fit runs the
+    monitor first, so the W&B rows carry its figures (issue: callback order)."""
+    model, _ = kit_model()
+    logger = WandbLogger(dir=tmp_path, mode="offline", settings=quiet_settings())
+    history = model.fit(*data(), batch_size=8, epochs=2, verbose=0,
+                        callbacks=[logger, kmk.ThroughputMonitor(warmup_steps=1)])
+    rows = user_rows(read_run(tmp_path).history)
+    assert [row["epoch"] for row in rows] == [1, 2]
+    for epoch, row in enumerate(rows):
+        for key in ("samples_per_sec", "samples_per_sec_per_replica", "step_time_ms"):
+            assert row[key] == pytest.approx(history.history[key][epoch], rel=1e-5)
+
+
 def test_batch_logs_every_n_steps_without_colliding_with_epoch_logs(tmp_path):
     model, _ = kit_model()
     logger = WandbLogger(
@@ -368,9 +445,10 @@ def test_model_not_built_by_the_kit_counts_as_chief(tmp_path):
 # tests/test_multi_worker.py::test_throughput_and_wandb_in_a_real_two_worker_run.
 
 
-def test_uploads_checkpoints_as_model_artifacts(tmp_path):
+def test_uploads_synced_checkpoints_as_model_artifacts(tmp_path):
     model, _ = kit_model()
     checkpoints = tmp_path / "ckpt"
+    seen = SeesCheckpoints(checkpoints)
     logger = WandbLogger(
         dir=tmp_path / "runs",
         mode="offline",
@@ -379,16 +457,128 @@ def test_uploads_checkpoints_as_model_artifacts(tmp_path):
         artifact_name="tiny-model",
         settings=quiet_settings(),
     )
-    fit(model, [WritesCheckpoints(checkpoints), logger], epochs=2)
+    fit(model, [kmk.SyncedCheckpoint(checkpoints, keep=3), seen, logger], epochs=2)
 
     artifacts = read_run(tmp_path / "runs").artifacts
     # One per epoch; on_train_end sees no change and logs no duplicate.
     assert len(artifacts) == 2
     assert all(a.name == "tiny-model" and a.type == "model" for a in artifacts)
-    assert artifacts[0].paths == ["ckpt-1.weights.h5", "manifest.json"]
-    assert artifacts[1].paths == ["ckpt-1.weights.h5", "ckpt-2.weights.h5", "manifest.json"]
-    assert set(artifacts[1].aliases) >= {"latest", "epoch_2"}
-    assert artifacts[1].metadata["epoch"] == 2
+    for epoch, (artifact, on_disk) in enumerate(zip(artifacts, seen.seen), start=1):
+        # Exactly the checkpoint files as they were at that epoch end, contents included.
+        assert artifact.digests == on_disk
+        assert artifact.metadata["files"] == artifact.paths
+        assert artifact.metadata["epoch"] == epoch
+        assert set(artifact.aliases) >= {"latest", f"epoch_{epoch}"}
+        assert "manifest.json" in artifact.paths
+        assert len([p for p in artifact.paths if CKPT_FILE.fullmatch(p)]) == epoch
+        assert not any(p.endswith(".tmp") or p.startswith(".") for p in artifact.paths)
+
+
+def rotation_child(root: str) -> None:
+    """Run by test_checkpoint_rotated_away_mid_upload_... in a fresh interpreter.
+
+    A checkpoint rotated away by a concurrent writer while the logger reads the directory
+    cannot be timed from outside, so an audit hook (process-wide, hence the subprocess)
+    deletes a real checkpoint file at the exact moment wandb first opens one for the last
+    epoch's upload: in "while_read" the file being opened (wandb's read fails), in
+    "before_add" the newest checkpoint, still to be added (it is gone when wandb checks it).
+    The code under test and wandb run unchanged. Prints a RESULT line.
+    """
+    deleted: dict[str, str] = {}
+    armed: list[tuple[str, Path]] = []
+
+    def rotate_on_open(event: str, args: tuple[Any, ...]) -> None:
+        if event != "open" or not armed or not isinstance(args[0], (str, bytes, os.PathLike)):
+            return
+        opened = Path(os.fsdecode(args[0]))
+        mode, directory = armed[0]
+        if opened.parent != directory or not CKPT_FILE.fullmatch(opened.name):
+            return
+        armed.clear()
+        newest = max(p for p in directory.iterdir() if CKPT_FILE.fullmatch(p.name))
+        victim = opened if mode == "while_read" else newest
+        victim.unlink()
+        deleted[mode] = victim.name
+
+    class ArmsAtLastEpoch(keras.callbacks.Callback):
+        def __init__(self, mode: str, directory: Path) -> None:
+            super().__init__()
+            self.mode, self.directory = mode, directory
+
+        def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+            if epoch + 1 == self.params["epochs"]:
+                armed.append((self.mode, self.directory))
+
+    warnings: list[str] = []
+
+    class Collects(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("keras_mirror_kit").addHandler(Collects(logging.WARNING))
+    sys.addaudithook(rotate_on_open)
+
+    result: dict[str, Any] = {}
+    for mode in ("while_read", "before_add"):
+        checkpoints = Path(root, mode, "ckpt")
+        logger = WandbLogger(
+            dir=Path(root, mode, "runs"),
+            mode="offline",
+            upload_checkpoints=True,
+            checkpoint_dir=checkpoints,
+            settings=quiet_settings(),
+        )
+        model, _ = kit_model()
+        callbacks = [
+            kmk.SyncedCheckpoint(checkpoints, keep=2),
+            ArmsAtLastEpoch(mode, checkpoints),
+            logger,
+        ]
+        warnings.clear()
+        fit(model, callbacks, epochs=3)
+        result[mode] = {
+            "deleted": deleted.get(mode),
+            "warnings": list(warnings),
+            "on_disk": uploadable(checkpoints),
+            "run_active": wandb.run is not None,
+        }
+    wandb.teardown()
+    print("RESULT " + json.dumps(result))
+
+
+def test_checkpoint_rotated_away_mid_upload_is_left_out_of_the_artifact(tmp_path):
+    data_dir = tmp_path / "wandb_data"  # this child's own staging area, to count its copies
+    proc = run_python(
+        f"from tests.test_integration_wandb import rotation_child\n"
+        f"rotation_child({str(tmp_path)!r})\n",
+        replicas=2,
+        env={"WANDB_DATA_DIR": str(data_dir)},
+        timeout=400,
+    )
+    result = last_json(proc)
+    staged_expected = 0
+    for mode in ("while_read", "before_add"):
+        got = result[mode]
+        gone = got["deleted"]
+        assert gone is not None and CKPT_FILE.fullmatch(gone), got  # the hook did fire
+        assert not got["run_active"]  # fit went on and ended normally
+        # A clear line naming the file, and the upload done again from a new listing.
+        lines = [w for w in got["warnings"] if "disappeared" in w]
+        assert len(lines) == 1, got["warnings"]
+        assert repr(gone) in lines[0] and "listing the directory again" in lines[0]
+        logged = read_run(tmp_path / mode / "runs")
+        assert logged.exit_code == 0
+        artifacts = logged.artifacts
+        assert len(artifacts) == 3  # one per epoch, the last one after the new listing
+        last = artifacts[-1]
+        assert set(last.aliases) >= {"latest", "epoch_3"}
+        assert gone not in last.paths  # not claiming the file that is gone
+        assert last.digests == got["on_disk"]  # exactly what is on disk, contents included
+        assert last.metadata["files"] == last.paths
+        staged_expected += sum(len(a.paths) for a in artifacts)
+    # The copies staged for the abandoned attempt were deleted; the logged ones remain.
+    staged = [p for p in (data_dir / "artifacts" / "staging").rglob("*") if p.is_file()]
+    assert len(staged) == staged_expected
 
 
 def test_joins_an_active_run_and_leaves_it_open(tmp_path):
@@ -424,6 +614,116 @@ def test_logs_to_a_run_passed_in_without_finishing_it(tmp_path):
     finally:
         run.finish()
     assert [row["epoch"] for row in user_rows(read_run(tmp_path).history)] == [1]
+
+
+# --- a fit() that raises -----------------------------------------------------------------
+
+
+def test_fit_that_raises_finishes_the_run_it_started_as_failed(tmp_path, caplog):
+    model, _ = kit_model()  # the kit's fit() calls on_fit_exception
+    logger = WandbLogger(
+        dir=tmp_path, mode="offline", log_every_n_batches=1, settings=quiet_settings()
+    )
+    with caplog.at_level(logging.WARNING, logger="keras_mirror_kit"):
+        with pytest.raises(TrainingFailed):
+            fit(model, [logger, RaisesAtBatch(epoch=1, batch=1)], epochs=3)
+
+    assert wandb.run is None  # finished at once, not left for the process exit
+    assert logger.owns_run
+    logged = read_run(tmp_path)
+    assert logged.exit_code == 1  # failed
+    rows = user_rows(logged.history)
+    assert [row["epoch"] for row in rows if "epoch" in row] == [1]
+    assert [row["batch/step"] for row in rows if "batch/step" in row] == [1, 2, 3, 4, 5, 6]
+    assert any(
+        "TrainingFailed" in r.getMessage() and logger.run.id in r.getMessage()
+        for r in caplog.records
+    )
+
+
+def test_the_hook_called_by_hand_for_a_model_not_built_by_the_kit(tmp_path):
+    logger = WandbLogger(dir=tmp_path, mode="offline", settings=quiet_settings())
+    try:
+        fit(plain_model(), [logger, RaisesAtBatch(epoch=0, batch=2)], epochs=2)
+    except TrainingFailed as err:
+        assert wandb.run is logger.run  # plain Keras: nothing has finished it yet
+        logger.on_fit_exception(err)
+        logger.on_fit_exception(err)  # a second call does nothing
+    assert wandb.run is None
+    assert read_run(tmp_path).exit_code == 1
+
+
+def test_reused_logger_finishes_the_run_a_raising_fit_left_open(tmp_path):
+    logger = WandbLogger(dir=tmp_path, mode="offline", settings=quiet_settings())
+    model = plain_model()
+    with pytest.raises(TrainingFailed):
+        fit(model, [logger, RaisesAtBatch(epoch=1, batch=0)], epochs=2)
+    failed_id = logger.run.id
+    fit(model, [logger], epochs=1)  # the same logger, say in the next notebook cell
+
+    assert logger.run.id != failed_id and logger.owns_run
+    assert wandb.run is None
+    runs = {run.id: run for run in map(read_run_file, run_files(tmp_path))}
+    assert set(runs) == {failed_id, logger.run.id}
+    assert runs[failed_id].exit_code == 1
+    assert [row["epoch"] for row in user_rows(runs[failed_id].history)] == [1]
+    assert runs[logger.run.id].exit_code == 0
+    assert [row["epoch"] for row in user_rows(runs[logger.run.id].history)] == [1]
+
+
+class FitsInside(keras.callbacks.Callback):
+    """At the first epoch end, fits another model with another WandbLogger (nested fit)."""
+
+    def __init__(self, inner_logger: WandbLogger) -> None:
+        super().__init__()
+        self.inner_logger = inner_logger
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if epoch == 0:
+            fit(plain_model(), [self.inner_logger], epochs=1)
+
+
+def test_new_logger_does_not_join_a_run_a_raising_fit_left_open(tmp_path):
+    failed = WandbLogger(dir=tmp_path / "a", mode="offline", settings=quiet_settings())
+    with pytest.raises(TrainingFailed):
+        fit(plain_model(), [failed, RaisesAtBatch(epoch=0, batch=1)], epochs=1)
+    assert wandb.run is failed.run  # plain Keras: still open
+
+    # A new logger in a new fit() finishes it instead of joining it; a logger of a fit()
+    # nested in that one joins the enclosing fit()'s run, which is still going on.
+    outer = WandbLogger(dir=tmp_path / "b", mode="offline", settings=quiet_settings())
+    inner = WandbLogger()
+    fit(plain_model(), [outer, FitsInside(inner)], epochs=2)
+
+    assert outer.owns_run and outer.run is not failed.run
+    assert inner.run is outer.run and not inner.owns_run
+    assert wandb.run is None
+    assert read_run(tmp_path / "a").exit_code == 1
+    logged = read_run(tmp_path / "b")
+    assert logged.exit_code == 0
+    assert [row["epoch"] for row in user_rows(logged.history)] == [1, 1, 2]  # inner, outer
+
+
+def exits_after_a_failed_fit_child(root: str) -> None:
+    """Run by the test below in a fresh interpreter: fit() raises, is caught, Python exits."""
+    logger = WandbLogger(dir=root, mode="offline", settings=quiet_settings())
+    try:
+        fit(plain_model(), [logger, RaisesAtBatch(epoch=0, batch=1)], epochs=1)
+    except TrainingFailed:
+        pass
+    print("RESULT " + json.dumps({"open_at_exit": wandb.run is logger.run}))
+
+
+def test_run_left_open_by_a_raising_fit_is_marked_failed_at_exit(tmp_path):
+    proc = run_python(
+        "from tests.test_integration_wandb import exits_after_a_failed_fit_child\n"
+        f"exits_after_a_failed_fit_child({str(tmp_path)!r})\n",
+        timeout=300,
+    )
+    assert last_json(proc) == {"open_at_exit": True}
+    # Not W&B's own exit handling (exit code 0: "finished"), since the script exited normally.
+    assert read_run(tmp_path).exit_code == 1
+    assert "finishing W&B run" in proc.stderr
 
 
 def _wandb_children() -> list[str]:

@@ -6,10 +6,15 @@ of the kit that imports `wandb`.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
+import sys
+import threading
+import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +31,7 @@ except ImportError as err:  # pragma: no cover - exercised in a subprocess test
 
 from keras_mirror_kit._version import __version__
 from keras_mirror_kit.batching import validate_positive_int
+from keras_mirror_kit.callbacks.callback_list import find_callback_list
 from keras_mirror_kit.callbacks.progress import steps_done
 from keras_mirror_kit.distribution import Distribution, distribution_of, is_chief
 
@@ -36,6 +42,21 @@ logger = logging.getLogger("keras_mirror_kit")
 _ARTIFACT_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _BATCH_PREFIX = "batch/"
 _BATCH_STEP = "batch/step"
+_FAILED = 1  # the exit code a run is finished with when its fit() raised
+_UPLOAD_ATTEMPTS = 3  # listings of the checkpoint directory per upload
+
+
+@dataclass(eq=False)
+class _OpenRun:
+    """A run a `WandbLogger` started for a `fit()` that has not reached `on_train_end`."""
+
+    run: wandb.Run
+    thread: int
+    callbacks: weakref.ReferenceType[Any] | None  # that fit()'s CallbackList, if found
+
+
+_open_runs: list[_OpenRun] = []
+_open_runs_lock = threading.Lock()
 
 
 class WandbLogger(keras.callbacks.Callback):
@@ -70,6 +91,13 @@ class WandbLogger(keras.callbacks.Callback):
     as chief) logs anything. Other workers never call `wandb.init()` and log nothing. The
     run is finished at the end of `fit()` only if this callback started it; a run that
     you started, or passed in, is left open.
+
+    If `fit()` raises, a run this callback started is finished as failed (exit code 1).
+    Keras calls no callback when `fit()` raises, so this happens: at once, for a model
+    built by the kit (its `fit()` calls `on_fit_exception`; you can call it yourself in an
+    `except` block for other models); otherwise at the next `on_train_begin` of any
+    `WandbLogger` in the process (so a new `fit()` never joins the failed run), or at the
+    latest when the process exits.
 
     All of this works in offline mode (`WANDB_MODE=offline` or `mode="offline"`): the run
     is written to `<dir>/wandb/offline-run-*` and can be uploaded later with
@@ -188,6 +216,7 @@ class WandbLogger(keras.callbacks.Callback):
         self._last_logged_step = 0
         self._last_epoch = 0
         self._uploaded_fingerprint: tuple[tuple[str, int, int], ...] | None = None
+        self._open: _OpenRun | None = None
 
     @property
     def run(self) -> wandb.Run | None:
@@ -206,10 +235,12 @@ class WandbLogger(keras.callbacks.Callback):
             self._active = False
             self._owns_run = False
             return
+        self._finish_abandoned_runs()
         run = self._run_arg if self._run_arg is not None else wandb.run
         if run is None:
             run = self._start_run()
             self._owns_run = True
+            self._track(run)
         else:
             self._owns_run = False
             if self.config:
@@ -274,10 +305,84 @@ class WandbLogger(keras.callbacks.Callback):
         run = self._run
         assert run is not None
         if self.upload_checkpoints:
-            self._upload_checkpoints(self._last_epoch)
+            self._upload_checkpoints(self._last_epoch, final=True)
         self._active = False
-        if self._owns_run:
+        if self._open is not None:
+            _untrack(self._open)
+            self._open = None
             run.finish()
+
+    def on_fit_exception(self, exception: BaseException) -> None:
+        """Finishes the run this callback started as failed, because `fit()` raised.
+
+        Keras calls no callback when `fit()` raises. The `fit()` of a model built by the
+        kit calls this method of every callback that has it, with the exception, before
+        the exception propagates. For another model, call it yourself in an `except`
+        block; otherwise the run is finished as failed at the next `on_train_begin` of a
+        `WandbLogger`, or when the process exits. A run this callback did not start is
+        left open. Calling it when no `fit()` of this callback is under way does nothing.
+
+        Args:
+            exception: The exception `fit()` raised.
+
+        Returns:
+            None.
+
+        Raises:
+            Nothing: an error while finishing the run is logged, so that the exception
+            of `fit()` is the one that propagates.
+
+        Example:
+
+        ```python
+        wandb_logger = WandbLogger(project="cifar10")
+        try:
+            model.fit(train_ds, epochs=10, callbacks=[wandb_logger])
+        except BaseException as err:
+            wandb_logger.on_fit_exception(err)  # run finished as failed, now
+            raise
+        ```
+        """
+        if not self._active:
+            return
+        self._active = False
+        opened, self._open = self._open, None
+        reason = f"fit() raised {type(exception).__name__}: {exception}"
+        if opened is None:
+            logger.warning(
+                "WandbLogger: %s; the W&B run %s was not started by this logger, so it is "
+                "left open.",
+                reason,
+                getattr(self._run, "id", None),
+            )
+            return
+        _finish_failed(opened, reason)
+
+    def _track(self, run: wandb.Run) -> None:
+        """Registers `run` as open until on_train_end, for `_finish_abandoned_runs` and exit."""
+        # Called by on_train_begin, where the walk starts: that frame and the four above it.
+        callback_list = find_callback_list(self, max_frames=5)
+        self._open = _OpenRun(
+            run,
+            threading.get_ident(),
+            weakref.ref(callback_list) if callback_list is not None else None,
+        )
+        with _open_runs_lock:
+            _open_runs.append(self._open)
+        # Registered after wandb.init(), so it runs before wandb's own exit teardown.
+        atexit.unregister(_finish_open_runs_at_exit)
+        atexit.register(_finish_open_runs_at_exit)
+
+    def _finish_abandoned_runs(self) -> None:
+        """Finishes, as failed, the runs loggers started for fit() calls that raised."""
+        with _open_runs_lock:
+            records = list(_open_runs)
+        for record in records:
+            if record is self._open or _fit_has_ended(record):
+                _finish_failed(
+                    record, "the fit() it was started for ended without on_train_end (it raised)"
+                )
+        self._open = None
 
     def _start_run(self) -> wandb.Run:
         if self.dir is not None:
@@ -295,40 +400,48 @@ class WandbLogger(keras.callbacks.Callback):
         logger.info("WandbLogger: started W&B run %s in %s", run.id, run.dir)
         return run
 
-    def _upload_checkpoints(self, epoch: int) -> None:
+    def _upload_checkpoints(self, epoch: int, final: bool = False) -> None:
         run = self._run
         assert run is not None and self.checkpoint_dir is not None
-        files = _checkpoint_files(self.checkpoint_dir)
-        if not files:
-            logger.debug("WandbLogger: no checkpoint files in %s yet.", self.checkpoint_dir)
-            return
-        root = Path(self.checkpoint_dir)
-        try:
-            fingerprint = tuple(
-                (rel, (root / rel).stat().st_size, (root / rel).stat().st_mtime_ns)
-                for rel in files
-            )
-            if fingerprint == self._uploaded_fingerprint:
+        later = (
+            "not uploaded at the end of training" if final else "will retry at the next epoch end"
+        )
+        for _ in range(_UPLOAD_ATTEMPTS):
+            files = _checkpoint_files(self.checkpoint_dir)
+            if not files:
+                logger.debug("WandbLogger: no checkpoint files in %s yet.", self.checkpoint_dir)
                 return
-            artifact = wandb.Artifact(
-                self.artifact_name or f"run_{run.id}_checkpoints",
-                type="model",
-                metadata={
-                    "epoch": epoch,
-                    "checkpoint_dir": str(root),
-                    "files": list(files),
-                },
-            )
-            for rel in files:
-                artifact.add_file(str(root / rel), name=rel)
-        except OSError as exc:  # a checkpoint was rotated away while we read the folder
+            try:
+                staged = self._stage_artifact(run, files, epoch)
+            except _Vanished as gone:
+                logger.warning(
+                    "WandbLogger: checkpoint file %r disappeared from %s while it was read for "
+                    "upload (rotated away by a newer checkpoint?); listing the directory again.",
+                    gone.name,
+                    self.checkpoint_dir,
+                )
+                continue
+            except OSError as exc:
+                logger.warning(
+                    "WandbLogger: could not read the checkpoints in %s (%s); %s.",
+                    self.checkpoint_dir,
+                    exc,
+                    later,
+                )
+                return
+            break
+        else:
             logger.warning(
-                "WandbLogger: could not read the checkpoints in %s (%s); will retry at the "
-                "next epoch end.",
+                "WandbLogger: checkpoint files in %s kept disappearing while they were read "
+                "(%d listings); %s.",
                 self.checkpoint_dir,
-                exc,
+                _UPLOAD_ATTEMPTS,
+                later,
             )
             return
+        if staged is None:  # unchanged since the last upload
+            return
+        artifact, fingerprint = staged
         aliases = ["latest", f"epoch_{epoch}"] if epoch else ["latest"]
         run.log_artifact(artifact, aliases=aliases)
         self._uploaded_fingerprint = fingerprint
@@ -338,6 +451,119 @@ class WandbLogger(keras.callbacks.Callback):
             self.checkpoint_dir,
             artifact.name,
             epoch,
+        )
+
+    def _stage_artifact(
+        self, run: wandb.Run, files: list[str], epoch: int
+    ) -> tuple[wandb.Artifact, tuple[tuple[str, int, int], ...]] | None:
+        """The artifact of `files` (None if unchanged); `_Vanished` if one of them is gone."""
+        assert self.checkpoint_dir is not None
+        root = Path(self.checkpoint_dir)
+        fingerprint = tuple((rel, *_size_and_mtime(root, rel)) for rel in files)
+        if fingerprint == self._uploaded_fingerprint:
+            return None
+        artifact = wandb.Artifact(
+            self.artifact_name or f"run_{run.id}_checkpoints",
+            type="model",
+            metadata={"epoch": epoch, "checkpoint_dir": str(root), "files": list(files)},
+        )
+        try:
+            for rel in files:
+                _add_file(artifact, root, rel)
+        except BaseException:
+            _discard_staged_copies(artifact, root)
+            raise
+        return artifact, fingerprint
+
+
+class _Vanished(Exception):
+    """A checkpoint file listed for upload was gone when it was read."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
+def _size_and_mtime(root: Path, rel: str) -> tuple[int, int]:
+    """Size and modification time (ns) of `root / rel`; `_Vanished` if it is gone."""
+    try:
+        info = (root / rel).stat()
+    except FileNotFoundError:
+        raise _Vanished(rel) from None
+    return info.st_size, info.st_mtime_ns
+
+
+def _add_file(artifact: wandb.Artifact, root: Path, rel: str) -> None:
+    """Adds `root / rel` to `artifact` as `rel`; `_Vanished` if it is gone."""
+    path = root / rel
+    try:
+        artifact.add_file(str(path), name=rel)
+    except FileNotFoundError:  # removed while wandb read it
+        raise _Vanished(rel) from None
+    except ValueError:  # wandb's "Path is not a file" when it was removed before
+        if path.is_file():
+            raise
+        raise _Vanished(rel) from None
+
+
+def _discard_staged_copies(artifact: wandb.Artifact, root: Path) -> None:
+    """Deletes the staging copies wandb made for an artifact that will not be logged."""
+    for entry in artifact.manifest.entries.values():
+        local = getattr(entry, "local_path", None)
+        if not local or Path(local).resolve().is_relative_to(root.resolve()):
+            continue  # not a copy (policy "immutable" keeps the original path)
+        try:
+            os.remove(local)
+        except OSError as exc:
+            logger.debug("WandbLogger: could not delete staged copy %s: %s", local, exc)
+
+
+def _fit_has_ended(record: _OpenRun) -> bool:
+    """Whether the fit() `record` was opened for is over (False when it cannot tell)."""
+    if record.thread != threading.get_ident():  # over once that thread has gone
+        return record.thread not in sys._current_frames()
+    if record.callbacks is None:  # callbacks driven by hand: no CallbackList to look for
+        return False
+    callbacks = record.callbacks()
+    if callbacks is None:
+        return True
+    frame = sys._getframe(1)
+    while frame is not None:  # a frame holding its CallbackList: an enclosing fit()
+        if any(value is callbacks for value in frame.f_locals.values()):
+            return False
+        frame = frame.f_back
+    return True
+
+
+def _untrack(record: _OpenRun) -> None:
+    """Removes `record` from the open runs."""
+    with _open_runs_lock:
+        if record in _open_runs:
+            _open_runs.remove(record)
+
+
+def _finish_failed(record: _OpenRun, reason: str) -> None:
+    """Finishes `record.run` with exit code 1 (failed) and says so; errors are logged."""
+    _untrack(record)
+    run = record.run
+    if getattr(run, "_is_finished", False):  # finished meanwhile (by you, or wandb.finish())
+        return
+    logger.warning(
+        "WandbLogger: %s; finishing W&B run %s as failed (exit code %d).", reason, run.id, _FAILED
+    )
+    try:
+        run.finish(exit_code=_FAILED)
+    except Exception as exc:  # e.g. wandb.teardown() already ran
+        logger.warning("WandbLogger: could not finish W&B run %s: %r", run.id, exc)
+
+
+def _finish_open_runs_at_exit() -> None:
+    """At exit: finishes, as failed, the runs whose fit() never reached on_train_end."""
+    with _open_runs_lock:
+        records = list(_open_runs)
+    for record in records:
+        _finish_failed(
+            record, "the process is exiting while the fit() it was started for has not ended"
         )
 
 
