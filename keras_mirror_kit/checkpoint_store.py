@@ -8,8 +8,12 @@ arrays plus a JSON-able metadata dict, stored as one `.npz` file. The guarantees
 * The manifest (`manifest.json`), which names the checkpoints and their SHA-256, is
   replaced last, so a kill at any instant leaves the previous checkpoint loadable.
 * Each checkpoint file also carries its own metadata, so the directory can be read even
-  without the manifest; reading verifies the hash (and the zip CRCs), and a corrupt file is
-  skipped with a warning in favour of the previous good one.
+  without the manifest (what a lost manifest knew is rebuilt from the files before anything
+  is pruned); reading verifies the hash (and the zip CRCs), and a corrupt file is skipped
+  with a warning in favour of the previous good one.
+* Retention keeps the newest `keep` checkpoints and, beyond the newest, at least two older
+  usable resume points (and the newest one whose values are all finite), so a damaged
+  newest checkpoint always leaves a way back.
 * Only files this module names (`ckpt-NNNNNNNN.npz`, `manifest.json` and their hidden
   temporaries) are ever deleted; anything else in the directory is left alone.
 """
@@ -49,10 +53,12 @@ VERSION = 1
 _CKPT_RE = re.compile(r"^ckpt-(\d{8})\.npz$")
 _TMP_RE = re.compile(r"^\.(ckpt-\d{8}\.npz|manifest\.json|write-probe)\.[0-9a-f]+\.tmp$")
 _META_KEY = "__meta__"
+# Metadata repeated in the manifest's entries (retention and resume decide on them).
+_ENTRY_KEYS = ("epoch", "step", "epoch_end", "global_step", "fit_index", "stopped", "finite")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint directory cannot be used (not a directory, unreadable, wrong model)."""
+    """A checkpoint cannot be used or written (not a directory, wrong model, NaN state)."""
 
 
 class CheckpointWriteError(OSError):
@@ -134,8 +140,10 @@ class CheckpointStore:
 
     Args:
         directory: Where checkpoints live; created on `prepare()`.
-        keep: How many of the newest checkpoints to keep (>= 1). The newest
-            epoch-boundary checkpoint is always kept as well.
+        keep: How many of the newest checkpoints to keep (>= 1). Beyond the newest, the
+            two newest older *usable* resume points are kept as well (epoch-boundary
+            checkpoints, or any checkpoint when `mid_epoch_resumable` is set), and the
+            newest checkpoint whose values are all finite.
 
     Raises:
         ValueError: If `keep` is not a positive integer.
@@ -156,6 +164,9 @@ class CheckpointStore:
         validate_positive_int("keep", keep)
         self.directory = Path(directory)
         self.keep = keep
+        # Whether the run writing here can resume from a mid-epoch checkpoint (retention
+        # then counts those as resume points); set by the writer.
+        self.mid_epoch_resumable = False
 
     # -- directory ---------------------------------------------------------------------------
 
@@ -279,10 +290,23 @@ class CheckpointStore:
         for name in self._listdir():
             match = _CKPT_RE.match(name)
             if match and name not in listed:
-                listed[name] = {"file": name, "index": int(match.group(1))}
+                # Not in the manifest (lost, damaged or older): rebuild what it knew from the
+                # file's own metadata, so retention never mistakes it for something else.
+                listed[name] = {"file": name, **self._entry_from_file(name)}
         for name, entry in listed.items():
             entry["index"] = int(_CKPT_RE.match(name).group(1))  # type: ignore[union-attr]
         return sorted(listed.values(), key=lambda e: e["index"])
+
+    def _entry_from_file(self, name: str) -> dict[str, Any]:
+        """The manifest fields of one file, read from its own metadata (`unreadable` if not)."""
+        try:
+            with np.load(self.directory / name, allow_pickle=False) as npz:
+                meta = json.loads(npz[_META_KEY].tobytes().decode("utf-8"))
+            if meta.get("format") != FORMAT:
+                raise ValueError("not a keras-mirror-kit checkpoint")
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):
+            return {"unreadable": True}
+        return {key: meta[key] for key in _ENTRY_KEYS if key in meta}
 
     # -- write -------------------------------------------------------------------------------
 
@@ -319,11 +343,7 @@ class CheckpointStore:
         path = self.directory / name
         try:
             atomic_write_bytes(path, data)
-            entry = {
-                key: meta[key]
-                for key in ("epoch", "step", "epoch_end", "global_step")
-                if key in meta
-            }
+            entry = {key: meta[key] for key in _ENTRY_KEYS if key in meta}
             entry.update(file=name, sha256=digest, size=len(data))
             kept = self._retain([*entries, {"index": index, **entry}])
             manifest = {
@@ -351,12 +371,25 @@ class CheckpointStore:
                     pass
         return path
 
+    def _usable(self, entry: Mapping[str, Any]) -> bool:
+        """Whether a resume could start from this entry in the current run's mode."""
+        if entry.get("unreadable") or entry.get("finite") is False:
+            return False
+        return bool(entry.get("epoch_end")) or self.mid_epoch_resumable
+
     def _retain(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        kept = entries[-self.keep :]
-        boundaries = [e for e in entries if e.get("epoch_end")]
-        if boundaries and boundaries[-1] not in kept:
-            kept = [boundaries[-1], *kept]
-        return kept
+        keep = {e["index"] for e in entries[-self.keep :]}
+        usable = 0
+        for entry in reversed(entries[:-1]):  # two usable resume points beyond the newest
+            if usable >= 2:
+                break
+            if self._usable(entry):
+                usable += 1
+                keep.add(entry["index"])
+        finite = [e for e in entries if e.get("finite") is not False and not e.get("unreadable")]
+        if finite:  # never rotate the last finite state away because of non-finite saves
+            keep.add(finite[-1]["index"])
+        return [e for e in entries if e["index"] in keep]
 
     # -- read --------------------------------------------------------------------------------
 

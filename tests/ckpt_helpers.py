@@ -17,8 +17,22 @@ def data(n: int = N) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def build(optimizer: str = "adam", devices=None, batch_norm: bool = False, seed: int = 3):
-    """A kit-built model with fixed initial weights."""
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+}
+
+
+def build(
+    optimizer: str = "adam",
+    devices=None,
+    batch_norm: bool = False,
+    seed: int = 3,
+    random_layers: bool = False,
+):
+    """A kit-built model with fixed initial weights (`random_layers`: Dropout, GaussianNoise)."""
 
     @kmk.distributed(global_batch_size=BATCH, devices=devices)
     def factory():
@@ -26,11 +40,12 @@ def build(optimizer: str = "adam", devices=None, batch_norm: bool = False, seed:
         layers = [keras.Input((6,)), keras.layers.Dense(8, activation="relu")]
         if batch_norm:
             layers.append(keras.layers.BatchNormalization())
+        if random_layers:
+            layers += [keras.layers.Dropout(0.3), keras.layers.GaussianNoise(0.2)]
         layers.append(keras.layers.Dense(3))
         model = keras.Sequential(layers)
-        opt = keras.optimizers.Adam(0.01) if optimizer == "adam" else keras.optimizers.SGD(0.1)
         model.compile(
-            optimizer=opt,
+            optimizer=OPTIMIZERS[optimizer](),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
         return model
@@ -38,8 +53,8 @@ def build(optimizer: str = "adam", devices=None, batch_norm: bool = False, seed:
     return factory()
 
 
-def dataset(seed: int = 11):
-    x, y = data()
+def dataset(seed: int = 11, n: int = N):
+    x, y = data(n)
     return kmk.make_dataset(x, y, BATCH, seed=seed)
 
 

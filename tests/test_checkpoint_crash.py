@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,12 +22,27 @@ EPOCHS = 3  # 6 batches each, 18 optimizer steps; save every 4 batches
 
 
 def child(directory, out, *extra, wait=True):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2",
-           "KMK_SIMULATE_REPLICAS": "2"}
-    command = [sys.executable, "-m", "tests.ckpt_child", str(directory), str(out),
-               "--epochs", str(EPOCHS), "--save-freq", "4", *map(str, extra)]
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "KMK_SIMULATE_REPLICAS": "2",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "tests.ckpt_child",
+        str(directory),
+        str(out),
+        "--epochs",
+        str(EPOCHS),
+        "--save-freq",
+        "4",
+        *map(str, extra),
+    ]
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     if not wait:
         return proc
     try:
@@ -44,28 +60,45 @@ def weights(path):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_run(tmp_path_factory):
+    """The uninterrupted run: its weights, its file writes and its checkpoints' steps."""
     root = tmp_path_factory.mktemp("reference")
     proc = child(root / "ckpt", root / "w.npz")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert last_json(proc)["iterations"] == EPOCHS * 6
-    return weights(root / "w.npz")
+    result = last_json(proc)
+    assert result["iterations"] == EPOCHS * 6
+    assert result["saves"] and result["writes"].count("manifest.json") == len(result["saves"])
+    return {"weights": weights(root / "w.npz"), **result}
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return reference_run["weights"]
 
 
 @pytest.mark.parametrize(
     ("pause_at", "mode"),
     [
-        (1, "partial"),        # half of the first checkpoint file written
-        (3, "after-tmp"),      # second checkpoint complete in its temp file, not replaced
-        (4, "after-tmp"),      # checkpoint in place, its manifest not yet replaced
+        (1, "partial"),  # half of the first checkpoint file written
+        (3, "after-tmp"),  # second checkpoint complete in its temp file, not replaced
+        (4, "after-tmp"),  # checkpoint in place, its manifest not yet replaced
         (6, "after-replace"),  # third checkpoint and manifest written, killed right after
-        (7, "partial"),        # half of the checkpoint at the end of epoch 1 ... and so on
+        (7, "partial"),  # half of the checkpoint at the end of epoch 1 ... and so on
     ],
 )
 def test_sigkill_during_a_checkpoint_write_then_resume(tmp_path, reference, pause_at, mode):
     directory, marker = tmp_path / "ckpt", tmp_path / "marker"
-    proc = child(directory, tmp_path / "dead.npz", "--pause-at", pause_at,
-                 "--pause-mode", mode, "--marker", marker, wait=False)
+    proc = child(
+        directory,
+        tmp_path / "dead.npz",
+        "--pause-at",
+        pause_at,
+        "--pause-mode",
+        mode,
+        "--marker",
+        marker,
+        wait=False,
+    )
     try:
         deadline = time.monotonic() + 240
         while not marker.exists():
@@ -104,8 +137,9 @@ def test_disk_full_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(
     assert proc.returncode == 3, proc.stderr[-3000:]
     result = last_json(proc)
     assert result["error"] == "CheckpointWriteError"
-    assert "File too large" in result["message"] and "Earlier checkpoints are intact" in (
-        result["message"]
+    assert (
+        "File too large" in result["message"]
+        and "Earlier checkpoints are intact" in (result["message"])
     )
     manifest = _manifest(directory)
     assert manifest["latest"] == manifest["checkpoints"][-1]["file"]
@@ -116,6 +150,74 @@ def test_disk_full_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(
     for entry in store.entries():
         assert store.read(entry).meta["file"] == entry["file"]  # every one verifies
     assert store.load_latest().meta["epoch"] == 1  # the end-of-epoch-0 checkpoint
+
+
+@pytest.fixture()
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs mounted for the test (needs root and a mount-permitting host)."""
+    if os.geteuid() != 0:
+        pytest.skip("a real full disk (ENOSPC) needs a tmpfs, and mounting one needs root")
+    if shutil.which("mount") is None or shutil.which("umount") is None:
+        pytest.skip("a real full disk (ENOSPC) needs the mount and umount commands")
+    mount_point = tmp_path / "small-disk"
+    mount_point.mkdir()
+    tried = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "kmk-test-tmpfs", str(mount_point)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if tried.returncode != 0:
+        pytest.skip(
+            "a real full disk (ENOSPC) needs a tmpfs, and this host refused the mount "
+            f"(rc={tried.returncode}): {tried.stderr.strip()}"
+        )
+    try:
+        yield mount_point
+    finally:
+        if subprocess.run(["umount", str(mount_point)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
+
+
+def test_a_really_full_disk_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(
+    tmp_path, small_tmpfs, reference
+):
+    """ENOSPC, not a simulation: after epoch 0's checkpoint the child fills the tmpfs that
+    holds the checkpoint directory, so the next save meets a full disk."""
+    import errno
+
+    directory = small_tmpfs / "ckpt"
+    filler = small_tmpfs / "filler"
+    proc = child(
+        directory, tmp_path / "w.npz", "--fill-disk-after-epoch", 0, "--fill-path", filler
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    result = last_json(proc)
+    assert os.statvfs(small_tmpfs).f_bavail == 0  # the disk really is full
+    assert (result["error"], result["errno"]) == ("CheckpointWriteError", errno.ENOSPC)
+    assert "Could not write checkpoint" in result["message"]
+    assert "No space left on device" in result["message"]
+    assert "Earlier checkpoints are intact" in result["message"]
+    assert "ckpt-00000002.npz" in result["message"] and "Free disk space" in result["message"]
+    assert result["saves"] == [4, 6, 8]  # the third save (step 8) is the one that failed
+    manifest = _manifest(directory)
+    assert manifest["latest"] == manifest["checkpoints"][-1]["file"] == "ckpt-00000002.npz"
+    assert not [n for n in os.listdir(directory) if n.endswith(".tmp")]
+    from keras_mirror_kit.checkpoint_store import CheckpointStore
+
+    store = CheckpointStore(directory)  # read while the disk is still full
+    assert [e["file"] for e in store.entries()] == ["ckpt-00000001.npz", "ckpt-00000002.npz"]
+    for entry in store.entries():
+        assert store.read(entry).meta["file"] == entry["file"]  # every one verifies
+    latest = store.load_latest()
+    assert latest is not None and (latest.meta["epoch"], latest.meta["step"]) == (1, 0)
+    # A resume from the full disk's directory, once space is freed, ends as the reference.
+    filler.unlink()
+    resumed = child(directory, tmp_path / "resumed.npz")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert last_json(resumed)["restored"] == [1, 0]
+    diff = max(
+        float(np.max(np.abs(a - b))) for a, b in zip(reference, weights(tmp_path / "resumed.npz"))
+    )
+    assert diff <= 1e-6
 
 
 def test_directory_turning_read_only_is_a_clear_error_and_keeps_checkpoints():
@@ -138,58 +240,112 @@ def test_directory_turning_read_only_is_a_clear_error_and_keeps_checkpoints():
         subprocess.run(["rm", "-rf", str(root)], check=False)
 
 
+SEED, TRIALS = 20261129, 10
+STEPS = EPOCHS * 6
+
+
+def _global_step(restored):
+    return None if restored is None else restored[0] * 6 + restored[1]
+
+
+def _plan(rng, reference_run):
+    """Seeded kill points, in training progress (never in seconds): which file write and
+    at what stage; which step, killed right there; which step, then a seeded moment while
+    training runs on. Returns (how, child args, lowest and highest good resume step)."""
+    writes, saves = reference_run["writes"], reference_run["saves"]
+    kinds = [("write", "step", "run-on")[trial % 3] for trial in range(TRIALS)]
+    # Distinct points: which writes, which steps (each drawn without replacement).
+    write_ks = iter(rng.sample(range(1, len(writes) + 1), kinds.count("write")))
+    step_ks = iter(rng.sample(range(1, STEPS), TRIALS - kinds.count("write")))
+    plan = []
+    for kind in kinds:
+        if kind == "write":  # inside the k-th file write of the store
+            k = next(write_ks)
+            mode = rng.choice(["partial", "after-tmp", "after-replace"])
+            done = writes[: k - 1].count("manifest.json")  # checkpoints complete before it
+            if writes[k - 1] == "manifest.json" and mode == "after-replace":
+                done += 1
+            # A checkpoint file in place without its manifest may or may not be used.
+            extra = int(writes[k - 1].startswith("ckpt-") and mode == "after-replace")
+            low = saves[done - 1] if done else None
+            high = saves[done + extra - 1] if done + extra else None
+            how = (kind, k, mode)
+            args = ["--pause-at", k, "--pause-mode", mode]
+        else:  # after training step k: exactly there, or a seeded moment later
+            k = next(step_ks)
+            # A checkpoint of step k itself is written in this step's callbacks or, at an
+            # epoch's end, just after: it may or may not exist when the marker appears.
+            low = max((s for s in saves if s < k), default=None)
+            delay = round(rng.uniform(0.0, 0.5), 3) if kind == "run-on" else 0.0
+            high = max((s for s in saves if s <= k), default=None)
+            high = high if kind == "step" else saves[-1]
+            how = (kind, k, delay)
+            args = ["--step-marker", k] + (["--block-at-marker"] if kind == "step" else [])
+        plan.append((how, args, low, high))
+    return plan
+
+
 def test_ten_seeded_random_sigkills_all_resume_to_the_uninterrupted_weights(
-    tmp_path, reference
+    tmp_path, reference_run
 ):
-    """Kill -9 at seeded random moments (a random time, or inside a random file write),
-    then resume every trial: each resumes from a good checkpoint and ends equal."""
+    """Kill -9 at seeded points chosen in training progress (a file write and its stage, or
+    a training step), then resume every trial: each resumes from the newest good
+    checkpoint before the kill (or from scratch), trains exactly the rest, ends equal."""
     import random
 
-    rng = random.Random(20261129)
+    plan = _plan(random.Random(SEED), reference_run)
+    # The seed gives kills on both sides of the first checkpoint, in every kind.
+    assert sum(low is not None for *_, low, _ in plan) >= 5
+    assert any(low is None for *_, low, _ in plan)
     directories = []
-    plan = []
-    for trial in range(10):
+    for trial, (how, args, _, _) in enumerate(plan):
         directory, marker = tmp_path / f"t{trial}" / "ckpt", tmp_path / f"t{trial}" / "m"
         directory.parent.mkdir()
-        started = tmp_path / f"t{trial}" / "started"
-        if trial % 2 == 0:  # inside a write: which file write, and at what stage
-            how = ("write", rng.randint(1, 20), rng.choice(["partial", "after-tmp",
-                                                             "after-replace"]))
-            extra = ["--pause-at", how[1], "--pause-mode", how[2], "--marker", marker]
-        else:  # at a random time after training started
-            how = ("time", round(rng.uniform(0.0, 1.5), 3))
-            extra = ["--started-marker", started]
-        plan.append(how)
-        proc = child(directory, tmp_path / f"t{trial}" / "w.npz", *extra, wait=False)
+        proc = child(
+            directory, tmp_path / f"t{trial}" / "w.npz", *args, "--marker", marker, wait=False
+        )
         try:
-            deadline = time.monotonic() + 240
-            target = marker if how[0] == "write" else started
-            while not target.exists() and proc.poll() is None:
-                assert time.monotonic() < deadline, f"trial {trial} never got going"
+            deadline = time.monotonic() + 240  # a bound for a stuck child, not a kill time
+            while not marker.exists():
+                assert proc.poll() is None, (how, proc.communicate()[1][-3000:])
+                assert time.monotonic() < deadline, f"trial {trial} never reached {how}"
                 time.sleep(0.02)
-            if how[0] == "time":
-                time.sleep(how[1])
+            if how[0] == "run-on":
+                time.sleep(how[2])  # the child trains on; it waits to be killed at the end
         finally:
             proc.kill()  # SIGKILL
             proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL, (how, proc.returncode)
         directories.append(str(directory))
     out = tmp_path / "results.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2",
-           "KMK_SIMULATE_REPLICAS": "2"}
-    done = subprocess.run([sys.executable, "-m", "tests.resume_many", str(out), *directories],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "KMK_SIMULATE_REPLICAS": "2",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.resume_many", str(out), *directories],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
-    resumed_mid_training = 0
-    for how, directory in zip(plan, directories):
+    reference = reference_run["weights"]
+    for (how, _, low, high), directory in zip(plan, directories):
         result = results[directory]
-        assert result["iterations"] == EPOCHS * 6, (how, result)
-        assert result["batches"] == EPOCHS * 6 - (
-            0 if result["restored"] is None
-            else result["restored"][0] * 6 + result["restored"][1]), (how, result)
+        restored = _global_step(result["restored"])
+        if low is None:
+            assert restored is None or (high is not None and restored <= high), (how, result)
+        else:
+            assert restored is not None and low <= restored <= high, (how, low, high, result)
+        assert result["iterations"] == STEPS, (how, result)
+        assert result["batches"] == STEPS - (restored or 0), (how, result)
         assert result["leftovers"] == [], (how, result)
-        diff = max(float(np.max(np.abs(a - b)))
-                   for a, b in zip(reference, weights(result["weights"])))
+        diff = max(
+            float(np.max(np.abs(a - b))) for a, b in zip(reference, weights(result["weights"]))
+        )
         assert diff <= 1e-6, (how, diff)
-        resumed_mid_training += result["restored"] is not None
-    assert resumed_mid_training >= 5  # the kills really interrupted training

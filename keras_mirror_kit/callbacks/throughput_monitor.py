@@ -16,7 +16,8 @@ import keras
 
 from keras_mirror_kit.batching import validate_non_negative_int, validate_positive_int
 from keras_mirror_kit.callbacks.progress import steps_done
-from keras_mirror_kit.distribution import distribution_of, is_chief
+from keras_mirror_kit.distribution import is_chief
+from keras_mirror_kit.model_setup import batch_plan, check_callback_model
 from keras_mirror_kit.throughput import (
     ThroughputMeter,
     validate_baseline,
@@ -46,11 +47,13 @@ class ThroughputMonitor(keras.callbacks.Callback):
     With `log_every_n_steps=N` the same keys are also added to the batch `logs` every `N`
     training steps, computed over the steps since the previous such report.
 
-    The global batch size and the replica count come from the `Distribution` of a model
-    built by `kmk.distributed()`. For any other model pass `global_batch_size` (Keras does
-    not tell callbacks the batch size); `num_replicas` then defaults to the replicas of the
-    model's `tf.distribute` strategy (1 without one). Every step is counted as one full
-    global batch.
+    The batch size and the replica count come from a model built by `kmk.distributed()`:
+    the batch its `fit` really uses (the global batch size, or the `batch_size` given with
+    NumPy arrays), and a smaller last batch counted exactly where its size is known (arrays,
+    or `kmk.make_dataset(..., drop_remainder=False)`). For any other model pass
+    `global_batch_size` (Keras does not tell callbacks the batch size); `num_replicas` then
+    defaults to the replicas of the model's `tf.distribute` strategy (1 without one), and
+    every step is counted as one full global batch.
 
     What is measured: the wall time from the start of each epoch's first training step
     (`on_train_batch_begin`) to the end of its last one, less the following. Keras creates
@@ -68,8 +71,11 @@ class ThroughputMonitor(keras.callbacks.Callback):
     of training one INFO line with the figures of the whole `fit()` is logged on the
     `keras_mirror_kit` logger; `summary()` returns them and `last` the latest figures.
 
-    Place the monitor before callbacks that read `logs` (`TensorBoard`, `CSVLogger`,
-    `WandbMetricsLogger`): Keras calls callbacks in list order, and `History` last.
+    Keras calls callbacks in list order, so a logger listed before the monitor would write
+    its row before the figures exist. `fit` of a model built by `kmk.distributed()` (either
+    form) therefore runs the monitor first wherever it is listed, and `TensorBoard`,
+    `CSVLogger`, `WandbLogger` and `History` all see the figures. For a model the kit did not
+    build, list the monitor before the callbacks that read `logs`.
 
     Args:
         global_batch_size: Samples per step over all replicas. Needed when the model was
@@ -107,6 +113,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
     model.fit(x, y, batch_size=256, callbacks=[ThroughputMonitor(global_batch_size=256)])
     ```
     """
+
+    _kmk_logs_producer = True  # model_setup.LOGS_PRODUCER: a prepared fit runs it first
 
     def __init__(
         self,
@@ -147,6 +155,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._fast = False
         self._next_report = _NEVER  # _steps_in_fit at which the next batch report is due
         self._epoch_length = _NEVER  # params["steps"], or _NEVER when unknown
+        self._short_last_batch = 0  # samples of a smaller last batch of each epoch, or 0
 
     @property
     def last(self) -> dict[str, float]:
@@ -187,10 +196,12 @@ class ThroughputMonitor(keras.callbacks.Callback):
         """Global batch size, replicas and workers, from the Distribution or the arguments."""
         model = self.model
         name = getattr(model, "name", type(model).__name__)
-        dist = distribution_of(model)
+        dist = check_callback_model(model, "ThroughputMonitor")
         if dist is not None:
+            plan = batch_plan(model)  # the batch this fit() really uses
+            batch = plan.batch_size if plan is not None else dist.global_batch_size
             for arg, given, actual in (
-                ("global_batch_size", self._global_batch_size, dist.global_batch_size),
+                ("global_batch_size", self._global_batch_size, batch),
                 ("num_replicas", self._num_replicas, dist.num_replicas),
             ):
                 if given is not None and given != actual:
@@ -199,7 +210,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
                         f"({dist!r}), which has {arg}={actual}. Drop the argument (it is "
                         f"read from the distribution) or fix it. Received: {arg}={given}"
                     )
-            return dist.global_batch_size, dist.num_replicas, dist.num_workers
+            return batch, dist.num_replicas, dist.num_workers
         if self._global_batch_size is None:
             raise ValueError(
                 "ThroughputMonitor needs the global batch size (samples per training step "
@@ -217,6 +228,9 @@ class ThroughputMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Resolves batch size and replicas (or raises `ValueError`) and restarts warm-up."""
         global_batch_size, replicas, workers = self._resolve()
+        plan = batch_plan(self.model)
+        steps = (self.params or {}).get("steps")
+        self._short_last_batch = (plan.last_batch_size(steps) if plan else None) or 0
         self._is_chief = is_chief(self.model)
         self._meter = ThroughputMeter(
             global_batch_size,
@@ -291,7 +305,13 @@ class ThroughputMonitor(keras.callbacks.Callback):
         """Gives steps to the meter; adds batch figures to `logs` when a report is due."""
         meter = self._meter
         assert meter is not None
-        meter.step(n_steps, now=now)
+        samples = None
+        if self._short_last_batch and self._last_batch == self._epoch_length - 1:
+            # These steps end the epoch, whose last batch is smaller: count it exactly.
+            samples = n_steps * meter.global_batch_size - (
+                meter.global_batch_size - self._short_last_batch
+            )
+        meter.step(n_steps, now=now, samples=samples)
         before, self._steps_in_fit = self._steps_in_fit, self._steps_in_fit + n_steps
         every = self._log_every_n_steps
         if every is not None:

@@ -1,0 +1,435 @@
+"""The `SyncedCheckpoint` callback: its arguments and its course through a `fit()`."""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import os
+import weakref
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_mirror_kit.callbacks.callback_list import find_callback_list
+from keras_mirror_kit.callbacks.progress import steps_done
+from keras_mirror_kit.callbacks.synced_checkpoint.callback_state import (
+    apply_callback_states,
+    best_weights_restored,
+    callback_states,
+)
+from keras_mirror_kit.callbacks.synced_checkpoint.hooks import Hook, place
+from keras_mirror_kit.callbacks.synced_checkpoint.replicas import (
+    check_replicas,
+    log_batch_norm_gap,
+)
+from keras_mirror_kit.callbacks.synced_checkpoint.resume import (
+    check_workers_agree,
+    data_description,
+    restore_latest,
+)
+from keras_mirror_kit.callbacks.synced_checkpoint.state import (
+    build_optimizer,
+    check_finite,
+    state_arrays,
+    state_variables,
+)
+from keras_mirror_kit.checkpoint_store import CheckpointError, CheckpointStore, LoadedCheckpoint
+from keras_mirror_kit.data import DatasetCursor, cursor_of
+from keras_mirror_kit.distribution import is_chief
+from keras_mirror_kit.fit_inputs import dataset_cursor
+from keras_mirror_kit.model_setup import check_callback_model
+
+__all__ = ["SyncedCheckpoint"]
+
+logger = logging.getLogger("keras_mirror_kit")
+
+# Weak map model -> {checkpoint directory: fits of that model completed on it}.
+_COMPLETED_FITS: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+class SyncedCheckpoint(keras.callbacks.Callback):
+    """Saves and restores the whole training state, atomically, from the chief only.
+
+    Each checkpoint holds every variable the model owns (`model.variables`: weights,
+    BatchNormalization statistics and the random state of `Dropout`, `GaussianNoise` and
+    other random layers) and Keras' global random state where it is used, the optimizer's
+    full state (iterations, learning rate, moments), the state of the stateful callbacks in
+    the `callbacks` list (`EarlyStopping`, `ReduceLROnPlateau`, `ModelCheckpoint`'s best
+    value, and any callback with `get_checkpoint_state`/`set_checkpoint_state`), and the
+    progress (which `fit` of the script, epoch, batch, whether that `fit` was stopped).
+    Files are written atomically and the manifest that names the newest checkpoint is
+    replaced last, so a kill at any instant leaves the previous checkpoint loadable.
+    A state holding NaN or Inf is refused (`CheckpointError`, nothing written) unless
+    `allow_non_finite=True`.
+
+    At `on_train_begin`, the newest good checkpoint is compared with the model and
+    optimizer (variable paths and shapes) and a mismatch is refused with `CheckpointError`
+    before any step. Then every `fit` of a rerun script continues from the newest
+    checkpoint: a `fit` that had finished in the earlier run (a later `fit` wrote the
+    checkpoint, or this one was stopped early with the same `epochs`) restores the state
+    and trains nothing; the `fit` that was running resumes where it stopped. A corrupt
+    newest checkpoint is reported with a warning and the previous good one is used. The
+    checkpoint may come from a run with another replica count.
+
+    With an integer `save_freq`, checkpoints are also written every `save_freq` batches.
+    Given `dataset=` (a dataset built by `kmk.make_dataset`, the same object given to
+    `fit`), a run resumes exactly where it stopped, mid-epoch: the consumed batches of that
+    epoch are skipped and the epoch ends after its remaining batches. When the data changed
+    (another number of samples per epoch, another explicit seed) the resume starts at the
+    newest epoch boundary with a warning saying why (`strict=True`: `CheckpointError`).
+    Without `dataset=`, Keras cannot start an epoch part-way, so the resume uses the newest
+    checkpoint written at an epoch boundary and re-trains the interrupted epoch from its
+    start. Either way no batch is trained twice.
+
+    With `steps_per_execution > 1`, saves happen at execution boundaries, and an exact
+    mid-epoch resume needs the epoch length to be a multiple of `steps_per_execution`
+    (otherwise the resume starts at the newest epoch boundary).
+
+    Only the chief process writes (`Distribution.is_chief`). After `fit` returns, a later
+    `fit` on the same model behaves normally: it neither restores again nor skips epochs.
+    After a `fit` that raised, the same instance resumes exactly as a new one would.
+
+    To see the other callbacks, `SyncedCheckpoint` finds the `CallbackList` Keras drives it
+    with; its epoch-end save then runs after the stateful callbacks (it moves itself after
+    the last of them), a stop request is cleared only when it is its own, and the
+    consumed-position check reads the dataset cursor.
+
+    Args:
+        directory: Directory for the checkpoints; created if missing.
+        save_freq: `"epoch"`, or a positive integer number of batches.
+        keep: How many of the newest checkpoints to keep (>= 1). Beyond the newest, the
+            two newest older usable resume points are always kept too.
+        restore: Restore from the newest good checkpoint at the start of training.
+        verify_replicas: Before each save, check that every mirrored variable's
+            per-replica copies are identical and raise `ReplicaDivergenceError` naming those
+            that are not. Unsynchronised BatchNormalization moving statistics legitimately
+            differ per replica: they are reported in the log, not raised, and replica 0's
+            values are saved.
+        dataset: The training dataset, when built by `kmk.make_dataset`, for exact
+            mid-epoch resume. It must be the object given to `fit`.
+        verify_atol: Absolute tolerance of the replica comparison (default exact).
+        strict: Refuse (`CheckpointError`) instead of falling back to an epoch boundary
+            when the data no longer matches a mid-epoch checkpoint.
+        allow_non_finite: Save states holding NaN or Inf instead of refusing them (the
+            newest finite checkpoint is kept regardless).
+
+    Raises:
+        TypeError: On a wrong argument type.
+        ValueError: On a bad `save_freq`, `keep` or `dataset`; after the first batch, when
+            `fit` iterates another dataset than `dataset=`.
+        CheckpointError: At `on_train_begin`, before any training step, for an unusable
+            directory or a checkpoint of another model or optimizer (or a data mismatch
+            with `strict=True`); at a save, for a state holding NaN or Inf.
+        CheckpointWriteError: When a save fails (disk full, read-only); earlier
+            checkpoints stay intact.
+        ReplicaDivergenceError: When replicas diverged (with `verify_replicas=True`).
+
+    Example:
+
+    ```python
+    train_ds = kmk.make_dataset(x, y, dist.global_batch_size, seed=0)
+    model.fit(train_ds, epochs=10,
+              callbacks=[kmk.SyncedCheckpoint("ckpts", save_freq=100, dataset=train_ds)])
+    ```
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        save_freq: str | int = "epoch",
+        keep: int = 3,
+        restore: bool = True,
+        verify_replicas: bool = True,
+        dataset: Any = None,
+        verify_atol: float = 0.0,
+        strict: bool = False,
+        allow_non_finite: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+            raise TypeError(
+                "`directory` must be a non-empty path (str or os.PathLike). "
+                f"Received: directory={directory!r}"
+            )
+        if save_freq != "epoch" and (
+            isinstance(save_freq, bool)
+            or not isinstance(save_freq, numbers.Integral)
+            or save_freq <= 0
+        ):
+            raise ValueError(
+                "`save_freq` must be 'epoch' or a positive integer number of batches. "
+                f"Received: save_freq={save_freq!r}"
+            )
+        cursor = None
+        if dataset is not None:
+            cursor = cursor_of(dataset)
+            if cursor is None:
+                raise ValueError(
+                    "`dataset` must be a dataset built by kmk.make_dataset (it carries the "
+                    "position needed for an exact mid-epoch resume); omit it for other "
+                    f"datasets. Received: dataset={type(dataset).__name__}"
+                )
+        self._store = CheckpointStore(directory, keep=keep)
+        self.directory = self._store.directory
+        self.save_freq = save_freq
+        self.keep = keep
+        self.restore = bool(restore)
+        self.verify_replicas = bool(verify_replicas)
+        self.verify_atol = float(verify_atol)
+        self.strict = bool(strict)
+        self.allow_non_finite = bool(allow_non_finite)
+        self._cursor: DatasetCursor | None = cursor
+        self._callback_list: Any = None
+        self._original_callbacks: list[Any] = []
+        self._reset_run_state()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _reset_run_state(self) -> None:
+        self._is_chief = True
+        self._epoch = 0
+        self._resume_epoch: int | None = None
+        self._resume_skip = 0
+        self._epoch_skip = 0
+        self._steps_in_epoch = 0
+        self._steps_in_fit = 0
+        self._last_save_mark = 0
+        self._want_epoch_end = False  # the resumed epoch has run its remaining batches
+        self._ending_epoch_early = False  # ...and this callback asked Keras to end it
+        self._foreign_stop = False  # someone else had asked to stop at that point
+        self._reported_batch_norm = False
+        self._fit_index = 0
+        self._trained = False
+        self._cursor_checked = False
+        self._last_save: tuple[int, int, bool, bool] | None = None  # epoch, step, end, stop
+        self._tracked: list[tuple[str, Any]] = []
+        self._pending_states: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None
+        self._head: Hook | None = None
+        self._tail: Hook | None = None
+        self.last_restored: LoadedCheckpoint | None = None
+
+    def _fits_key(self) -> str:
+        return os.path.abspath(self.directory)
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        # A fit() interrupted by an exception never reached on_train_end: clear its epoch.
+        self.model._initial_epoch = None  # noqa: SLF001
+        self._detach()
+        self._reset_run_state()
+        check_callback_model(self.model, "SyncedCheckpoint")
+        self._fit_index = _COMPLETED_FITS.get(self.model, {}).get(self._fits_key(), 0)
+        self._attach(find_callback_list(self))
+        self._is_chief = is_chief(self.model)
+        # Mid-epoch checkpoints are resume points for this run only when it can resume from
+        # them (see resume.mid_epoch_skip): retention counts them as such only then.
+        per_execution = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        self._store.mid_epoch_resumable = (
+            self._cursor is not None and self._cursor.num_batches % per_execution == 0
+        )
+        if self._is_chief:
+            self._store.prepare()
+            if not self.restore and self._fit_index == 0 and self._store.entries():
+                raise CheckpointError(
+                    f"The checkpoint directory {str(self.directory)!r} already holds "
+                    "checkpoints, and restore=False would start a new run whose saves rotate "
+                    "them away. Use a new directory, remove the old checkpoints yourself, or "
+                    f"pass restore=True to continue from them. Received: restore=False"
+                )
+        if self._cursor is not None:
+            steps = self.params.get("steps") if self.params else None
+            if steps is not None and steps != self._cursor.num_batches:
+                raise ValueError(
+                    f"SyncedCheckpoint(dataset=...) needs fit() to run whole epochs of that "
+                    f"dataset ({self._cursor.num_batches} batches); fit() runs {steps} steps "
+                    "per epoch. Remove `steps_per_epoch` from fit(), or drop `dataset=`. "
+                    f"Received: steps_per_epoch={steps}"
+                )
+        build_optimizer(self.model)
+        if self.restore:
+            self._restore()
+            check_workers_agree(self.model, self.last_restored, self._resume_skip, self.directory)
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._head is None:
+            self._before_epoch()
+        self._epoch = epoch
+        self._epoch_skip = self._resume_skip if epoch == self._resume_epoch else 0
+        self._steps_in_epoch = self._epoch_skip
+        self._want_epoch_end = False
+        if self._cursor is not None:
+            self._cursor.set(epoch, self._epoch_skip)
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        # With steps_per_execution > 1 Keras reports the last step of each execution (past
+        # the end of the epoch for a partial last execution).
+        num_batches = self._epoch_length()
+        done = steps_done(batch, num_batches, offset=self._epoch_skip)
+        self._steps_in_fit += done - self._steps_in_epoch
+        self._steps_in_epoch = done
+        self._trained = True
+        if self._cursor is not None and not self._cursor_checked:
+            self._check_cursor_consumed()
+        if self._epoch_skip and num_batches is not None and done >= num_batches:
+            # The resumed epoch has run its remaining batches: end it here (from the tail
+            # hook, after every other callback had its say about stopping).
+            self._want_epoch_end = True
+            if self._tail is None:
+                self._request_epoch_end()
+        if isinstance(self.save_freq, int):
+            mark = self._steps_in_fit // self.save_freq
+            if mark > self._last_save_mark:
+                self._last_save_mark = mark
+                if num_batches is None or done < num_batches:
+                    self._save(epoch=self._epoch, step=done, epoch_end=False, stopped=False)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._head is None:
+            self._clear_own_stop()
+        self._want_epoch_end = False
+        self._ending_epoch_early = False
+        stopped = bool(self.model.stop_training)  # only others' requests are left
+        num_batches = self._epoch_length()
+        if stopped and num_batches is not None and self._steps_in_epoch < num_batches:
+            # Stopped part-way through the epoch: record where, not a finished epoch.
+            self._save(epoch=epoch, step=self._steps_in_epoch, epoch_end=False, stopped=True)
+        else:
+            self._save(epoch=epoch + 1, step=0, epoch_end=True, stopped=stopped)
+        self._epoch_skip = 0
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        # Keras' BackupAndRestore leaves this set, so a later fit() skips epochs.
+        self.model._initial_epoch = None  # noqa: SLF001
+        if self._trained and self._last_save is not None:
+            epoch, step, epoch_end, was_stopped = self._last_save
+            stopped = bool(self.model.stop_training)
+            if (stopped and not was_stopped) or best_weights_restored(self._tracked):
+                # A callback after this one stopped the fit, or EarlyStopping put its best
+                # weights back: the final state is what a rerun must find.
+                self._save(epoch=epoch, step=step, epoch_end=epoch_end, stopped=stopped)
+        fits = _COMPLETED_FITS.setdefault(self.model, {})
+        fits[self._fits_key()] = self._fit_index + 1
+        self._resume_epoch = None
+        self._resume_skip = 0
+        self._detach()
+
+    # -- the callbacks list ------------------------------------------------------------------
+
+    def _attach(self, callback_list: Any) -> None:
+        """Finds the stateful callbacks and places the hooks (and itself after them)."""
+        if callback_list is None:
+            return
+        placement = place(self, callback_list)
+        self._tracked, self._head, self._tail = placement.tracked, placement.head, placement.tail
+        self._callback_list, self._original_callbacks = callback_list, placement.original
+
+    def _detach(self) -> None:
+        """Puts back the order of a CallbackList that may be reused (the user's own)."""
+        callback_list, self._callback_list = self._callback_list, None
+        if callback_list is not None:
+            callback_list.callbacks = self._original_callbacks
+
+    def _before_epoch(self) -> None:
+        # Keras read the resume epoch when the loop started; a later fit() must not.
+        self.model._initial_epoch = None  # noqa: SLF001
+        if self._pending_states is not None:
+            states, arrays = self._pending_states
+            self._pending_states = None
+            apply_callback_states(self._tracked, states, arrays)
+
+    def _request_epoch_end(self) -> None:
+        if self._want_epoch_end and not self._ending_epoch_early:
+            self._foreign_stop = bool(self.model.stop_training)
+            self.model.stop_training = True
+            self._ending_epoch_early = True
+
+    def _clear_own_stop(self) -> None:
+        if self._ending_epoch_early and not self._foreign_stop:
+            self.model.stop_training = False
+        self._ending_epoch_early = False
+
+    def _check_cursor_consumed(self) -> None:
+        """At the first batch end: the cursor of `dataset=` must have been read by this fit."""
+        self._cursor_checked = True
+        assert self._cursor is not None
+        if self._cursor.get() == (self._epoch, self._epoch_skip):
+            self._refuse_other_dataset("the dataset given was never read")
+
+    def _kmk_check_fit_data(self, x: Any) -> None:
+        """Before any step (kit-built models): `fit`'s data must be the `dataset=` given."""
+        found = dataset_cursor(x)
+        if self._cursor is not None and found is not None and found is not self._cursor:
+            self._refuse_other_dataset("fit() was given another kmk.make_dataset object")
+
+    def _refuse_other_dataset(self, why: str) -> None:
+        assert self._cursor is not None
+        raise ValueError(
+            "fit() is training on another dataset than the one given to "
+            f"SyncedCheckpoint(dataset=...): {why}, so the position it saves and restores "
+            "would not be the position of the data trained (for example two calls of "
+            "kmk.make_dataset). Pass the same object to fit() and to "
+            "SyncedCheckpoint(dataset=...). No checkpoint was written. "
+            f"Received: dataset={type(self._cursor).__name__} of "
+            f"{self._cursor.num_batches} batches not iterated by fit()"
+        )
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _epoch_length(self) -> int | None:
+        if self._cursor is not None:
+            return self._cursor.num_batches
+        steps = self.params.get("steps") if self.params else None
+        return int(steps) if steps else None
+
+    # -- save and restore --------------------------------------------------------------------
+
+    def _save(self, epoch: int, step: int, epoch_end: bool, stopped: bool) -> None:
+        named = state_variables(self.model)
+        # Every worker reads the values: SyncOnRead reads are collectives, and every worker
+        # must refuse a non-finite state alike.
+        values = [np.asarray(v.numpy()) for _, v in named]
+        bad = check_finite(named, values, self.allow_non_finite)
+        if self.verify_replicas:
+            gap = check_replicas(self.model, named, self.verify_atol)
+            if gap and not self._reported_batch_norm:
+                self._reported_batch_norm = True
+                log_batch_norm_gap(gap)
+        self._last_save = (int(epoch), int(step), bool(epoch_end), bool(stopped))
+        if not self._is_chief:
+            return
+        arrays, paths = state_arrays(named, values)
+        optimizer = getattr(self.model, "optimizer", None)
+        global_step = int(optimizer.iterations.numpy()) if optimizer is not None else None
+        meta = {
+            "epoch": int(epoch),
+            "step": int(step),
+            "epoch_end": bool(epoch_end),
+            "global_step": global_step,
+            "state": "variables",  # model.variables (v1 files hold model.weights)
+            "fit_index": self._fit_index,
+            "fit_epochs": self.params.get("epochs") if self.params else None,
+            "stopped": bool(stopped),
+            "finite": not bad,
+            "num_replicas": int(self.model.distribute_strategy.num_replicas_in_sync),
+            **data_description(self.model, self._cursor, self._epoch_length()),
+            "variables": paths,
+            "callbacks": callback_states(self._tracked, arrays),
+        }
+        path = self._store.write(arrays, meta)
+        logger.debug("keras-mirror-kit: wrote %s (epoch %d, step %d)", path, epoch, step)
+
+    def _restore(self) -> None:
+        """Restores the newest usable checkpoint and records where this fit() goes on."""
+        resume = restore_latest(
+            self._store,
+            self.model,
+            self._cursor,
+            fit_index=self._fit_index,
+            epochs=self.params.get("epochs") if self.params else None,
+            strict=self.strict,
+            directory=self.directory,
+        )
+        self.last_restored = resume.restored
+        self.model._initial_epoch = resume.initial_epoch  # noqa: SLF001
+        self._resume_epoch, self._resume_skip = resume.epoch, resume.skip
+        self._pending_states = resume.callback_states

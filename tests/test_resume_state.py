@@ -1,0 +1,399 @@
+"""Resume exactly what was running, or refuse (issue 18; issue 11 item 1).
+
+The same 2-replica job as tests/test_synced_checkpoint.py: 96 samples, global batch 16,
+6 batches an epoch. Each test walks one ordinary situation that resumed wrongly, lost
+checkpoints or trained from scratch before, and checks the weights, the batches trained
+or the refusal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
+from keras_mirror_kit.checkpoint_store import CheckpointError, CorruptCheckpointWarning
+from tests.ckpt_helpers import CountBatches, StopAt, build, data, dataset, max_diff
+
+
+def plain_dataset():
+    """A dataset the kit did not build: fixed order every epoch."""
+    return tf.data.Dataset.from_tensor_slices(data()).batch(16)
+
+
+def npz_files(directory):
+    return sorted(n for n in os.listdir(directory) if n.endswith(".npz"))
+
+
+@pytest.fixture(scope="module")
+def crashed_mid_epoch(tmp_path_factory):
+    """A run (SGD, dataset=, save_freq=2) killed in epoch 1: newest checkpoint (1, 4)."""
+    directory = tmp_path_factory.mktemp("crashed") / "ckpt"
+    model, ds = build("sgd"), dataset()
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(
+            ds,
+            epochs=4,
+            verbose=0,
+            callbacks=[SyncedCheckpoint(directory, save_freq=2, dataset=ds), StopAt(1, 3)],
+        )
+    return directory
+
+
+@pytest.fixture(scope="module")
+def plain_reference(tmp_path_factory):
+    """Weights of an uninterrupted 4-epoch SGD run on the plain dataset."""
+    model = build("sgd")
+    model.fit(
+        plain_dataset(),
+        epochs=4,
+        verbose=0,
+        callbacks=[SyncedCheckpoint(tmp_path_factory.mktemp("plain") / "ckpt", save_freq=2)],
+    )
+    return model.get_weights()
+
+
+def copy_of(directory, tmp_path):
+    target = tmp_path / "ckpt"
+    shutil.copytree(directory, target)
+    return target
+
+
+# -- issue 11 item 1: a stop request at the end of a resumed epoch ------------------------
+
+
+class StopIn(keras.callbacks.Callback):
+    """Asks to stop in `hook` of `epoch` (at its last batch for on_train_batch_end)."""
+
+    def __init__(self, epoch: int, hook: str) -> None:
+        super().__init__()
+        self.epoch, self.hook, self.current = epoch, hook, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        # The resumed epoch 1 starts at batch 4: its last batch is Keras' batch index 1.
+        if self.hook == "batch" and self.current == self.epoch and batch == 1:
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.hook == "epoch" and epoch == self.epoch:
+            self.model.stop_training = True
+
+
+@pytest.mark.parametrize(
+    ("hook", "before"),
+    [("epoch", True), ("epoch", False), ("batch", False)],
+    ids=["on_epoch_end-listed-before", "on_epoch_end-listed-after", "on_batch_end-after"],
+)
+def test_a_stop_request_at_the_end_of_a_resumed_epoch_is_honoured(
+    crashed_mid_epoch, tmp_path, hook, before
+):
+    directory = copy_of(crashed_mid_epoch, tmp_path)
+    ds, counter = dataset(), CountBatches()
+    checkpoint, stop = SyncedCheckpoint(directory, save_freq=2, dataset=ds), StopIn(1, hook)
+    callbacks = [stop, checkpoint, counter] if before else [checkpoint, stop, counter]
+    model = build("sgd", seed=99)
+    history = model.fit(ds, epochs=4, verbose=0, callbacks=callbacks)
+    assert checkpoint.last_restored.meta["step"] == 4
+    assert counter.batches == 2  # the rest of epoch 1, then the stop: epochs 2, 3 not run
+    assert len(history.history["loss"]) == 1
+    newest = json.loads((directory / "manifest.json").read_text())["checkpoints"][-1]
+    assert (newest["epoch"], newest["epoch_end"], newest["stopped"]) == (2, True, True)
+
+
+# -- item 1: another optimizer; non-finite state -------------------------------------------
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_before_any_step(tmp_path):
+    model, ds = build("momentum"), dataset()
+    model.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    files = npz_files(tmp_path)
+    other, counter = build("rmsprop"), CountBatches()  # 6 optimizer variables as well
+    with pytest.raises(CheckpointError, match="does not match this model") as info:
+        other.fit(
+            ds, epochs=4, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds), counter]
+        )
+    message = str(info.value)
+    assert "momentum" in message and "velocity" in message  # names the first differences
+    assert counter.batches == 0 and int(other.optimizer.iterations.numpy()) == 0
+    assert npz_files(tmp_path) == files
+
+
+def test_a_non_finite_state_is_refused_and_the_finite_checkpoints_stay(tmp_path):
+    model, ds = build("sgd"), dataset()
+    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    manifest = (tmp_path / "manifest.json").read_text()
+    model.layers[0].bias.assign(np.full((8,), np.nan, "float32"))  # training diverged
+    with pytest.raises(CheckpointError, match="NaN or Inf") as info:
+        model.fit(
+            ds,
+            epochs=1,
+            verbose=0,
+            callbacks=[SyncedCheckpoint(tmp_path, save_freq=1, dataset=ds)],
+        )
+    assert "dense" in str(info.value) and "allow_non_finite=True" in str(info.value)
+    assert (tmp_path / "manifest.json").read_text() == manifest  # nothing written
+    # Opted in, with keep=1: NaN states are saved, and the last finite one is still kept.
+    model.fit(
+        ds,
+        epochs=1,
+        verbose=0,
+        callbacks=[
+            SyncedCheckpoint(tmp_path, save_freq=1, keep=1, dataset=ds, allow_non_finite=True)
+        ],
+    )
+    entries = json.loads((tmp_path / "manifest.json").read_text())["checkpoints"]
+    assert entries[-1]["finite"] is False
+    finite = [e for e in entries if e.get("finite", True)]
+    assert finite and (tmp_path / finite[-1]["file"]).exists()
+
+
+# -- item 2: random state ------------------------------------------------------------------
+
+
+def test_random_layers_resume_mid_epoch_to_the_uninterrupted_weights(tmp_path):
+    model, ds = build("sgd", random_layers=True), dataset()
+    model.fit(
+        ds,
+        epochs=3,
+        verbose=0,
+        callbacks=[SyncedCheckpoint(tmp_path / "ref", save_freq=2, dataset=ds)],
+    )
+    reference = model.get_weights()
+    model, ds = build("sgd", random_layers=True), dataset()
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(
+            ds,
+            epochs=3,
+            verbose=0,
+            callbacks=[SyncedCheckpoint(tmp_path / "run", save_freq=2, dataset=ds), StopAt(1, 3)],
+        )
+    fresh, ds = build("sgd", random_layers=True, seed=99), dataset()
+    checkpoint = SyncedCheckpoint(tmp_path / "run", save_freq=2, dataset=ds)
+    fresh.fit(ds, epochs=3, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.last_restored.meta["step"] == 4
+    assert max_diff(reference, fresh.get_weights()) <= 1e-6  # 0.01 to 0.1 without the seeds
+    assert any("seed_generator_state" in p for p in checkpoint.last_restored.meta["variables"])
+
+
+# -- item 3: the data changed --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [({"n": 112}, "112 samples now but held 96"), ({"seed": 12}, "seed 12 differs")],
+    ids=["16-more-samples", "another-seed"],
+)
+def test_changed_data_resumes_from_the_epoch_boundary_with_a_warning(
+    crashed_mid_epoch, tmp_path, caplog, change, why
+):
+    directory = copy_of(crashed_mid_epoch, tmp_path)
+    caplog.set_level(logging.WARNING, logger="keras_mirror_kit")
+    ds, counter = dataset(**change), CountBatches()
+    per_epoch = kmk_batches(ds)
+    checkpoint = SyncedCheckpoint(directory, save_freq=2, dataset=ds)
+    build("sgd", seed=99).fit(ds, epochs=3, verbose=0, callbacks=[checkpoint, counter])
+    restored = checkpoint.last_restored.meta
+    assert (restored["epoch"], restored["step"], restored["epoch_end"]) == (1, 0, True)
+    assert counter.batches == 2 * per_epoch  # epochs 1 and 2 whole: nothing twice
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(why in m and "newest epoch boundary" in m for m in warned), warned
+    # strict=True refuses instead, before any step.
+    directory, counter = copy_of(crashed_mid_epoch, tmp_path / "strict"), CountBatches()
+    strict = SyncedCheckpoint(directory, save_freq=2, dataset=ds, strict=True)
+    with pytest.raises(CheckpointError, match=why):
+        build("sgd", seed=99).fit(ds, epochs=3, verbose=0, callbacks=[strict, counter])
+    assert counter.batches == 0
+
+
+def kmk_batches(ds):
+    from keras_mirror_kit import cursor_of
+
+    return cursor_of(ds).num_batches
+
+
+# -- item 4: fit iterates another make_dataset object --------------------------------------
+
+
+def test_fit_on_another_dataset_than_the_one_given_is_refused_before_any_step(tmp_path):
+    given, trained = dataset(), dataset()  # two calls of the same builder
+    model, counter = build("sgd"), CountBatches()
+    with pytest.raises(ValueError, match="given another kmk.make_dataset object"):
+        model.fit(trained.prefetch(1), epochs=2, verbose=0, callbacks=[
+            SyncedCheckpoint(tmp_path, save_freq=1, dataset=given), counter])
+    assert counter.batches == 0 and int(model.optimizer.iterations.numpy()) == 0
+    assert npz_files(tmp_path) == []
+
+
+def test_fit_of_a_model_the_kit_did_not_build_on_another_dataset_is_refused(tmp_path):
+    given, trained = dataset(), dataset()
+    keras.utils.set_random_seed(3)
+    plain = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    plain.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="the dataset given was never read"):
+        plain.fit(trained, epochs=2, verbose=0,
+                  callbacks=[SyncedCheckpoint(tmp_path, save_freq=1, dataset=given)])
+    assert npz_files(tmp_path) == []  # refused at the first batch end, before any save
+
+
+# -- item 5: a two-stage script rerun ------------------------------------------------------
+
+
+def two_stages(model, ds, callbacks):
+    model.fit(ds, epochs=2, verbose=0, callbacks=callbacks)
+    model.fit(ds, epochs=4, initial_epoch=2, verbose=0, callbacks=callbacks)
+
+
+def test_a_rerun_two_stage_script_continues_each_fit_from_the_newest_checkpoint(tmp_path):
+    model, ds = build("sgd"), dataset()
+    two_stages(model, ds, [SyncedCheckpoint(tmp_path / "ref", dataset=ds)])
+    reference = model.get_weights()
+    model, ds = build("sgd"), dataset()
+    with pytest.raises(KeyboardInterrupt):  # crash in stage 2, epoch 3
+        two_stages(model, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds), StopAt(3, 2)])
+    fresh, ds, counter = build("sgd", seed=99), dataset(), CountBatches()
+    two_stages(fresh, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds), counter])
+    assert counter.batches == 6  # epoch 3 only: stage 1 trains nothing, stage 2 resumes
+    assert int(fresh.optimizer.iterations.numpy()) == 24
+    assert max_diff(reference, fresh.get_weights()) <= 1e-6
+
+
+# -- item 6: callbacks' state --------------------------------------------------------------
+
+
+def test_an_early_stopped_job_rerun_unchanged_trains_nothing(tmp_path):
+    def job(seed):
+        model, ds, counter = build("sgd", seed=seed), dataset(), CountBatches()
+        # Never improves by 10 after epoch 0: stops at the end of epoch 1 (12 steps) and
+        # puts the weights of epoch 0 back.
+        stop = keras.callbacks.EarlyStopping(
+            monitor="loss", patience=0, min_delta=10, restore_best_weights=True
+        )
+        model.fit(
+            ds,
+            epochs=6,
+            verbose=0,
+            callbacks=[SyncedCheckpoint(tmp_path, dataset=ds), stop, counter],
+        )
+        return model, counter.batches
+
+    first, batches = job(3)
+    assert batches == 12
+    rerun, batches = job(99)
+    assert batches == 0
+    assert max_diff(first.get_weights(), rerun.get_weights()) == 0.0
+
+
+class Tally(keras.callbacks.Callback):
+    """A stateful callback opting in through the documented protocol."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epochs_seen, self.losses = 0, np.zeros(0)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs_seen += 1
+        self.losses = np.append(self.losses, logs["loss"])
+
+    def get_checkpoint_state(self):
+        return {"epochs_seen": self.epochs_seen, "losses": self.losses}
+
+    def set_checkpoint_state(self, state):
+        self.epochs_seen, self.losses = state["epochs_seen"], state["losses"]
+
+
+def test_callback_state_resumes_exactly(tmp_path):
+    def run(directory, crash=None, seed=3):
+        model, ds, tally = build("sgd", seed=seed), dataset(), Tally()
+        # Never improves by 10 after epoch 0: halves the rate at epochs 1, 2 (after a
+        # cooldown of 1)... a fresh ReduceLROnPlateau on resume would start over.
+        plateau = keras.callbacks.ReduceLROnPlateau(
+            monitor="loss", factor=0.5, patience=0, min_delta=10, cooldown=1
+        )
+        callbacks = [plateau, SyncedCheckpoint(directory, dataset=ds), tally]
+        model.fit(ds, epochs=5, verbose=0, callbacks=callbacks + ([crash] if crash else []))
+        return model, tally
+
+    reference, ref_tally = run(tmp_path / "ref")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "run", crash=StopAt(3, 2))
+    resumed, tally = run(tmp_path / "run", seed=99)
+    lr = float(resumed.optimizer.learning_rate.numpy())
+    assert lr == float(reference.optimizer.learning_rate.numpy()) < 0.1 / 4
+    assert max_diff(reference.get_weights(), resumed.get_weights()) <= 1e-6
+    assert tally.epochs_seen == ref_tally.epochs_seen == 5
+    np.testing.assert_allclose(tally.losses, ref_tally.losses, rtol=1e-6)
+
+
+# -- items 7 and 8: retention --------------------------------------------------------------
+
+
+def test_retention_keeps_two_epoch_boundaries_when_mid_epoch_ones_cannot_resume(
+    tmp_path, plain_reference
+):
+    """Integer save_freq without dataset=: damage the newest, resume from the previous."""
+    model = build("sgd")
+    model.fit(
+        plain_dataset(),
+        epochs=4,
+        verbose=0,
+        callbacks=[SyncedCheckpoint(tmp_path, save_freq=2, keep=3)],
+    )
+    entries = json.loads((tmp_path / "manifest.json").read_text())["checkpoints"]
+    newest = tmp_path / entries[-1]["file"]
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated
+    fresh, counter = build("sgd", seed=99), CountBatches()
+    checkpoint = SyncedCheckpoint(tmp_path, save_freq=2, keep=3)
+    with pytest.warns(CorruptCheckpointWarning):
+        fresh.fit(plain_dataset(), epochs=4, verbose=0, callbacks=[checkpoint, counter])
+    assert counter.batches == 6  # epoch 3 again; 24 (from scratch) before the fix
+    assert checkpoint.last_restored.meta["epoch"] == 3
+    assert max_diff(plain_reference, fresh.get_weights()) <= 1e-6
+    # keep=3 went to the newest three; two epoch boundaries older than the newest stayed.
+    assert [e["epoch"] for e in entries if e["epoch_end"]][-3:] == [2, 3, 4]
+
+
+def test_a_lost_manifest_is_rebuilt_from_the_files_before_pruning(tmp_path, plain_reference):
+    def run(seed, epochs, crash=None):
+        model, counter = build("sgd", seed=seed), CountBatches()
+        checkpoint = SyncedCheckpoint(tmp_path, save_freq=2, keep=1)
+        callbacks = [checkpoint, counter] + ([crash] if crash else [])
+        model.fit(plain_dataset(), epochs=epochs, verbose=0, callbacks=callbacks)
+        return model, checkpoint, counter.batches
+
+    run(3, epochs=2)
+    (tmp_path / "manifest.json").unlink()
+    with pytest.raises(KeyboardInterrupt):  # resumes at epoch 2; its saves prune
+        run(99, epochs=4, crash=StopAt(2, 5))
+    model, checkpoint, batches = run(98, epochs=4)
+    assert batches == 12  # epochs 2 and 3; 24 (from scratch) before the fix
+    assert checkpoint.last_restored.meta["epoch"] == 2
+    assert max_diff(plain_reference, model.get_weights()) <= 1e-6
+
+
+# -- rough edge: a changed learning rate at resume -----------------------------------------
+
+
+def test_a_changed_learning_rate_at_resume_is_logged(tmp_path, caplog):
+    model, ds = build("sgd"), dataset()
+    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    fresh = build("sgd", seed=4)
+    fresh.optimizer.learning_rate = 0.05  # the checkpoint's is 0.1
+    checkpoint = SyncedCheckpoint(tmp_path, dataset=ds)
+    checkpoint.set_model(fresh)
+    caplog.set_level(logging.WARNING, logger="keras_mirror_kit")
+    checkpoint.on_train_begin()
+    assert float(fresh.optimizer.learning_rate.numpy()) == pytest.approx(0.1)
+    assert any(
+        "learning rate 0.05 is replaced by the checkpoint's 0.1" in r.getMessage()
+        for r in caplog.records
+    )
