@@ -10,11 +10,14 @@ Functional models included, without the factory having to pass the argument.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import keras
 
 __all__ = ["synchronize_batch_norm"]
+
+logger = logging.getLogger("keras_mirror_kit")
 
 
 def _looks_like_batch_norm(layer: Any) -> bool:
@@ -36,10 +39,12 @@ def synchronize_batch_norm(model: keras.Model) -> int:
     Returns:
         How many layers were switched to synchronized statistics.
 
+    A layer whose class name says batch normalization but that is not a
+    `keras.layers.BatchNormalization` (a custom layer, a layer from another library) is
+    left as it is, with one WARNING naming it: its statistics stay per replica.
+
     Raises:
         TypeError: If `model` is not a `keras.Model`.
-        ValueError: If the model holds a batch-normalization layer that is not a
-            `keras.layers.BatchNormalization` (it cannot be synchronized this way).
 
     Example:
 
@@ -59,12 +64,13 @@ def synchronize_batch_norm(model: keras.Model) -> int:
                 layer.synchronized = True
                 switched += 1
         elif _looks_like_batch_norm(layer):
-            raise ValueError(
-                f"Layer {layer.name!r} ({type(layer).__name__}) looks like batch "
-                "normalization but is not a keras.layers.BatchNormalization, so its "
-                "statistics cannot be synchronized across replicas. Use "
-                "keras.layers.BatchNormalization (which sync_batch_norm=True switches to "
-                "synchronized=True) or make the layer all-reduce its moments itself. "
-                f"Received: layer={layer.name!r}"
+            logger.warning(
+                "keras-mirror-kit: sync_batch_norm: layer %r (%s) looks like batch "
+                "normalization but is not a keras.layers.BatchNormalization, so it was left "
+                "as it is and its statistics stay per replica. Use "
+                "keras.layers.BatchNormalization, or make the layer all-reduce its moments "
+                "itself.",
+                layer.name,
+                type(layer).__name__,
             )
     return switched

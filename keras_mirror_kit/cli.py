@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,18 @@ def _info() -> dict[str, Any]:
     import tensorflow as tf
 
     from keras_mirror_kit import __version__
-    from keras_mirror_kit.devices import configure_from_environment, nccl_available
+    from keras_mirror_kit.devices import (
+        configure_from_environment,
+        gpu_report,
+        nccl_available,
+        warn_if_gpus_unused,
+    )
     from keras_mirror_kit.multi_worker import parse_tf_config, tf_config_num_workers
 
     configure_from_environment()
     tf_config = parse_tf_config()  # validated: a bad TF_CONFIG is a clear error here too
+    build, gpus, warnings = gpu_report()
+    unused = warn_if_gpus_unused()
     info: dict[str, Any] = {
         "keras_mirror_kit": __version__,
         "tensorflow": tf.__version__,
@@ -39,6 +47,9 @@ def _info() -> dict[str, Any]:
         "physical_gpus": [d.name for d in tf.config.list_physical_devices("GPU")],
         "physical_cpus": [d.name for d in tf.config.list_physical_devices("CPU")],
         "nccl_usable": nccl_available(),
+        "cuda_build": build,
+        "gpu_details": gpus,
+        "warnings": ([unused] if unused else []) + warnings,
         "tf_config": json.loads(os.environ["TF_CONFIG"]) if tf_config is not None else None,
     }
     workers = tf_config_num_workers()
@@ -74,14 +85,31 @@ def _print_info(info: dict[str, Any]) -> None:
         f"CPUs             {len(info['physical_cpus'])}: {', '.join(info['physical_cpus'])}",
         f"Logical devices  {', '.join(info['logical_devices'])}",
         f"NCCL usable      {'yes' if info['nccl_usable'] else 'no'}",
+        f"CUDA build       {_build_line(info['cuda_build'])}",
+        *(
+            f"  {gpu['name']}: {gpu['device_name']}, compute capability "
+            f"{gpu['compute_capability']} (kernels: {gpu['kernels']})"
+            for gpu in info["gpu_details"]
+        ),
         f"TF_CONFIG        {json.dumps(info['tf_config']) if info['tf_config'] else 'not set'}",
         f"distributed()    {chosen['strategy']}"
         + (f" on {', '.join(chosen['devices'])}" if "devices" in chosen else "")
         + (f", {chosen['replicas']} replica(s)" if "replicas" in chosen else "")
         + (f", {chosen['workers']} workers" if "workers" in chosen else "")
         + f", all-reduce {chosen['all_reduce']}",
+        *(f"WARNING: {warning}" for warning in info["warnings"]),
     ]
     sys.stdout.write("\n".join(lines) + "\n")
+
+
+def _build_line(build: dict[str, Any]) -> str:
+    if not build.get("is_cuda_build"):
+        return "no (this TensorFlow cannot use NVIDIA GPUs)"
+    kernels = ", ".join(build.get("cuda_compute_capabilities") or []) or "?"
+    return (
+        f"CUDA {build.get('cuda_version', '?')}, cuDNN {build.get('cudnn_version', '?')}, "
+        f"kernels for {kernels}"
+    )
 
 
 def _parse_replicas(text: str) -> list[int]:
@@ -126,14 +154,23 @@ def _bench_worker(args: argparse.Namespace) -> int:
     (x, y), _ = make_synthetic_cifar10(num_train=samples, num_test=10, seed=0)
     dataset = kmk.make_dataset(x, y, dist.global_batch_size, seed=0, preprocess=kmk.rescale())
     monitor = kmk.ThroughputMonitor(warmup_steps=warmup)
+    started = time.perf_counter()
     model.fit(dataset, epochs=1, callbacks=[monitor], verbose=1)
+    fit_seconds = time.perf_counter() - started
+    measured = monitor.summary()
     result = {
         "replicas": dist.num_replicas,
         "devices": list(dist.devices),
         "global_batch_size": dist.global_batch_size,
+        "dataset_batch_size": int(next(iter(dataset))[0].shape[0]),  # samples per step
         "steps": args.steps,
         "samples_per_sec": monitor.last["samples_per_sec"],
         "samples_per_sec_per_replica": monitor.last["samples_per_sec_per_replica"],
+        "steps_per_sec": monitor.last["steps_per_sec"],
+        "measured_steps": measured["measured_steps"],
+        "measured_seconds": measured["measured_seconds"],
+        "warmup_steps": measured["warmup_steps"],
+        "fit_seconds": fit_seconds,
     }
     Path(args.result_file).write_text(json.dumps(result))
     return 0
@@ -235,8 +272,12 @@ def _parser() -> argparse.ArgumentParser:
             bench.add_argument("--plot", help="write a chart to this PNG file")
             bench.add_argument("--timeout", type=float, default=1800,
                                help="seconds allowed per run")
-    launch = sub.add_parser("launch", help="run a script as N local multi-worker processes",
-                            add_help=False)
+    launch = sub.add_parser(
+        "launch",
+        help="run a script (launch -n 2 train.py) or a command (launch -n 2 -- python3 "
+        "train.py) as N local multi-worker processes; launch --help for details",
+        add_help=False,
+    )
     launch.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 

@@ -365,4 +365,7 @@ def make_dataset(
     options.autotune.enabled = False
     dataset = dataset.with_options(options)
     dataset._kmk_cursor = cursor  # noqa: SLF001
+    # Read by keras_mirror_kit.fit_inputs (batch checks, exact throughput of a last batch).
+    dataset._kmk_batch_size = batch_size  # noqa: SLF001
+    dataset._kmk_epoch_samples = n if not drop else num_batches * batch_size  # noqa: SLF001
     return dataset

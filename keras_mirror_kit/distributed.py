@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
@@ -25,20 +26,26 @@ import keras
 import tensorflow as tf
 
 from keras_mirror_kit import keras_fit_stall
-from keras_mirror_kit.batch_norm import synchronize_batch_norm
 from keras_mirror_kit.batching import per_replica_batch_size as split_global_batch
 from keras_mirror_kit.batching import validate_positive_int
 from keras_mirror_kit.devices import (
     configure_from_environment,
-    make_cross_device_ops,
+    mirrored_strategy,
     replica_devices,
+    warn_if_gpus_unused,
 )
-from keras_mirror_kit.distribution import Distribution, activate, register_model
-from keras_mirror_kit.keras_epoch_rounding import install_fit_guard
+from keras_mirror_kit.distribution import Distribution, activate
 from keras_mirror_kit.lr_scaling import DEFAULT_RULE, validate_rule
-from keras_mirror_kit.precision import keep_outputs_float32, policy_scope, validate_policy
+from keras_mirror_kit.model_setup import (
+    ModelOptions,
+    check_model,
+    compiled_models_prepared,
+    factory_running,
+    prepare_model,
+)
+from keras_mirror_kit.precision import policy_scope, validate_policy
 
-__all__ = ["distributed", "DistributedFactory"]
+__all__ = ["DistributedFactory", "check_model", "distributed"]
 
 logger = logging.getLogger("keras_mirror_kit")
 
@@ -54,10 +61,20 @@ AUTO_STEPS_PER_EXECUTION = 8
 class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads like a function)
     """Runs a model factory, or a block, under a data-parallel strategy on every replica.
 
-    Used as a decorator, the factory's model is built and compiled inside the strategy's
-    scope, then checked: it must be a `keras.Model` whose variables and optimizer were
-    created under this strategy (a model built outside silently trains on one device in
-    Keras 3). Used as a context manager, it enters the scope and binds the `Distribution`.
+    Both forms give a model the same guarantees (`keras_mirror_kit.model_setup`): it is
+    checked (a `keras.Model` whose variables and optimizer were created under this
+    strategy; a model built outside silently trains on one device in Keras 3), registered
+    for the kit's callbacks, given the knobs below, and its `fit`, `evaluate` and
+    `predict` check their data and step counts before any step, run the kit's
+    log-producing callbacks first, and run without the end-of-fit stall.
+
+    * Decorator: the factory runs inside the strategy's scope; the model it returns is
+      prepared (and a `compile()` called later runs inside the scope).
+    * Context manager: the block runs inside the strategy's scope, and every model
+      **compiled inside the block** (in this thread) is prepared when `compile()` returns.
+      A model built before the block is rejected at that `compile()`; a model built in the
+      block but compiled after it trains distributed but without the checks (the kit's
+      callbacks log a warning).
 
     The strategy is a `tf.distribute.MirroredStrategy` over all visible GPUs, or over the
     logical CPUs when there is no GPU (one, unless `simulate_replicas` configured more).
@@ -76,17 +93,19 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             `"mirrored"`, `"multi_worker"`, or a `tf.distribute.Strategy` you built yourself.
         cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver` (for example
             `SlurmClusterResolver()`) for a multi-worker run; implies `"multi_worker"`.
-        sync_batch_norm: Make every `BatchNormalization` the factory builds compute its
-            batch statistics across all replicas (decorator form only).
+        sync_batch_norm: Make every `BatchNormalization` of the model compute its batch
+            statistics across all replicas.
         mixed_precision: `"mixed_float16"`, `"mixed_bfloat16"` or None: the Keras dtype
-            policy for the layers the factory builds (the global policy is restored
-            afterwards); output layers stay float32; float16 gets loss scaling.
-        steps_per_execution: Steps per compiled call for the factory's `compile()`: an
-            integer, or `"auto"` (8); None leaves what `compile()` got (decorator form
-            only).
+            policy for the layers built in the factory or block (the global policy is
+            restored afterwards); output layers stay float32; float16 gets loss scaling,
+            whose skip-the-step decision every replica takes together
+            (`keras_mirror_kit.keras_loss_scale`).
+        steps_per_execution: Steps per compiled call: an integer, or `"auto"` (8); None
+            leaves what `compile()` got.
         lr_scaling_rule: Default rule of `Distribution.scale_learning_rate`.
 
     Raises:
+        RuntimeError: If Keras runs on another backend than TensorFlow.
         TypeError: On a wrong argument type, or when the factory returns no `keras.Model`.
         ValueError: On both or neither batch size, a non-positive or indivisible batch
             size, unknown devices, rule or all-reduce, or a model or optimizer created
@@ -107,7 +126,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         return model
 
     model = build_model()
-    model.fit(train_ds.batch(build_model.distribution.global_batch_size), epochs=10)
+    model.fit(kmk.make_dataset(x, y, build_model.distribution.global_batch_size), epochs=10)
     ```
     """
 
@@ -125,6 +144,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         mixed_precision: str | None = None,
         steps_per_execution: int | str | None = None,
     ) -> None:
+        check_backend()
         if per_replica_batch_size is None and global_batch_size is None:
             raise ValueError(
                 "distributed() needs a batch size: pass `per_replica_batch_size` (samples "
@@ -170,9 +190,11 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
                     f"Received: steps_per_execution={steps_per_execution!r}"
                 )
             validate_positive_int("steps_per_execution", steps_per_execution)
-        self._sync_batch_norm = sync_batch_norm
-        self._mixed_precision = validate_policy(mixed_precision)
-        self._steps_per_execution = steps_per_execution
+        self._options = ModelOptions(
+            mixed_precision=validate_policy(mixed_precision),
+            sync_batch_norm=sync_batch_norm,
+            steps_per_execution=steps_per_execution,
+        )
         self._per_replica_batch_size = per_replica_batch_size
         self._global_batch_size = global_batch_size
         self._devices = list(devices) if devices is not None else None
@@ -181,14 +203,16 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         self._cluster_resolver = cluster_resolver
         self._lr_scaling_rule = validate_rule(lr_scaling_rule)
         self._distribution: Distribution | None = None
-        self._contexts: list[ExitStack] = []
+        self._lock = threading.Lock()
+        self._local = threading.local()  # each thread's open `with` blocks
 
     @property
     def distribution(self) -> Distribution:
         """The `Distribution`, created (with its strategy) on first access."""
-        if self._distribution is None:
-            self._distribution = self._create()
-        return self._distribution
+        with self._lock:
+            if self._distribution is None:
+                self._distribution = self._create()
+            return self._distribution
 
     def _create(self) -> Distribution:
         configure_from_environment()
@@ -198,14 +222,22 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         elif self._wants_multi_worker():
             from keras_mirror_kit import multi_worker
 
+            if self._devices is not None:  # MultiWorkerMirroredStrategy takes no device list
+                raise ValueError(
+                    "`devices` cannot be used with a multi-worker strategy: each worker "
+                    "trains on all the GPUs it sees (or its CPU). Choose a worker's devices "
+                    "with CUDA_VISIBLE_DEVICES (`keras-mirror-kit launch --gpus-per-worker "
+                    "K` sets it per worker), or drop TF_CONFIG/strategy='multi_worker' for "
+                    f"one process. Received: devices={self._devices!r}"
+                )
             strategy, ops_name = multi_worker.create_strategy(
                 cluster_resolver=self._cluster_resolver,
                 cross_device_ops=self._cross_device_ops,
             )
         else:
             devices = replica_devices(self._devices)
-            ops, ops_name = make_cross_device_ops(self._cross_device_ops, devices)
-            strategy = tf.distribute.MirroredStrategy(devices=devices, cross_device_ops=ops)
+            strategy, ops_name = mirrored_strategy(devices, self._cross_device_ops)
+        warn_if_gpus_unused()  # a CUDA build that found no GPU on a GPU machine
         replicas = int(strategy.num_replicas_in_sync)
         if self._global_batch_size is not None:
             per_replica = split_global_batch(self._global_batch_size, replicas)
@@ -233,20 +265,13 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         return DistributedFactory(self, factory)
 
     def __enter__(self) -> Distribution:
-        if self._sync_batch_norm or self._steps_per_execution is not None:
-            raise ValueError(
-                "`sync_batch_norm` and `steps_per_execution` apply to the model a decorated "
-                "factory returns; use @kmk.distributed(...) on a factory, or inside a `with` "
-                "block call kmk.synchronize_batch_norm(model) and pass steps_per_execution "
-                "to compile(). Received: sync_batch_norm="
-                f"{self._sync_batch_norm}, steps_per_execution={self._steps_per_execution}"
-            )
         dist = self.distribution
-        stack = ExitStack()
-        stack.enter_context(activate(dist))
-        stack.enter_context(policy_scope(self._mixed_precision))
-        stack.enter_context(keras_fit_stall.per_device_autotune_disabled())
-        self._contexts.append(stack)
+        with ExitStack() as stack:  # a context that fails to enter closes those before it
+            stack.enter_context(activate(dist))
+            stack.enter_context(policy_scope(self._options.mixed_precision))
+            stack.enter_context(keras_fit_stall.per_device_autotune_disabled())
+            stack.enter_context(compiled_models_prepared(dist, self._options))
+            self._open_blocks().append(stack.pop_all())
         return dist
 
     def __exit__(
@@ -255,7 +280,12 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._contexts.pop().close()
+        self._open_blocks().pop().close()
+
+    def _open_blocks(self) -> list[ExitStack]:
+        if not hasattr(self._local, "blocks"):
+            self._local.blocks = []
+        return self._local.blocks
 
 
 class DistributedFactory(Generic[P, R]):
@@ -297,121 +327,38 @@ class DistributedFactory(Generic[P, R]):
         return self._config.distribution
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        config = self._config
+        options = self._config._options  # noqa: SLF001
         dist = self.distribution
-        with activate(dist), policy_scope(config._mixed_precision):  # noqa: SLF001
+        with activate(dist), policy_scope(options.mixed_precision), factory_running():
             model = self._factory(*args, **kwargs)
-        name = getattr(self._factory, "__name__", "factory")
-        check_model(model, dist, factory_name=name)
-        register_model(model, dist)
-        if config._mixed_precision:  # noqa: SLF001
-            keep_outputs_float32(model)  # type: ignore[arg-type]
-        if config._sync_batch_norm:  # noqa: SLF001
-            synchronize_batch_norm(model)  # type: ignore[arg-type]
-        steps = config._steps_per_execution  # noqa: SLF001
-        if model.compiled:  # type: ignore[attr-defined]
-            _apply_steps_per_execution(model, steps, name)
-        else:
-            _compile_inside_scope(model, dist, steps)  # type: ignore[arg-type]
-        install_fit_guard(model)  # type: ignore[arg-type]
-        keras_fit_stall.apply(model)  # no tf.data autotuning thread: see keras_fit_stall
+        prepare_model(model, dist, options, name=getattr(self._factory, "__name__", "factory"))
         return model
 
     def __repr__(self) -> str:
         return f"<distributed factory {getattr(self._factory, '__qualname__', self._factory)!r}>"
 
 
-def _strategy_of_variable(variable: Any) -> tf.distribute.Strategy | None:
-    value = getattr(variable, "value", variable)
-    if isinstance(value, tf.distribute.DistributedValues):
-        return value._distribute_strategy  # noqa: SLF001
-    return None
-
-
-def check_model(model: Any, dist: Distribution, factory_name: str = "factory") -> None:
-    """Checks that a factory's model was built (and compiled) under `dist`'s strategy.
-
-    Args:
-        model: What the factory returned.
-        dist: The distribution the factory ran under.
-        factory_name: Used in error messages.
+def check_backend() -> None:
+    """Raises a clear error unless Keras runs on the TensorFlow backend.
 
     Returns:
         None.
 
     Raises:
-        TypeError: If `model` is not a `keras.Model`.
-        ValueError: If the model, one of its variables or its optimizer was created
-            outside the strategy's scope.
+        RuntimeError: If `keras.backend.backend()` is not `"tensorflow"`.
 
     Example:
 
     ```python
-    check_model(model, build_model.distribution)
+    check_backend()
     ```
     """
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"The factory `{factory_name}` decorated with @kmk.distributed must return a "
-            f"keras.Model. Received: {type(model).__name__} ({model!r:.80})"
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise RuntimeError(
+            "keras-mirror-kit distributes training with tf.distribute, which needs Keras' "
+            f"TensorFlow backend, but Keras runs on the {backend!r} backend. Select "
+            "TensorFlow before Keras is imported: set the environment variable "
+            'KERAS_BACKEND=tensorflow, or "backend": "tensorflow" in ~/.keras/keras.json. '
+            f"Received: keras.backend.backend()={backend!r}"
         )
-    strategy = dist.strategy
-    if getattr(model, "_distribute_strategy", None) is not strategy:
-        raise ValueError(
-            f"The model returned by `{factory_name}` was created outside the strategy's "
-            "scope, so it would silently train on one device. Create the model inside the "
-            "decorated factory (or inside `with kmk.distributed(...)`), not before it. "
-            f"Received: model={model.name!r}"
-        )
-    if dist.num_replicas > 1 or isinstance(strategy, tf.distribute.MirroredStrategy):
-        outside = [
-            v.path for v in model.variables if _strategy_of_variable(v) is not strategy
-        ]
-        if outside:
-            raise ValueError(
-                f"{len(outside)} variable(s) of the model returned by `{factory_name}` were "
-                "created outside the strategy's scope (for example a layer built before the "
-                "factory ran). Create and build every layer inside the decorated factory. "
-                f"Received: variables={outside[:5]}{' ...' if len(outside) > 5 else ''}"
-            )
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        opt_strategy = getattr(optimizer, "_distribution_strategy", strategy)
-        if opt_strategy is not strategy:
-            raise ValueError(
-                f"The optimizer of the model returned by `{factory_name}` was created "
-                "outside the strategy's scope; its updates would not be mirrored. Create "
-                "the optimizer inside the decorated factory, e.g. "
-                "`model.compile(optimizer=keras.optimizers.Adam(lr), ...)` there. "
-                f"Received: optimizer={type(optimizer).__name__}"
-            )
-
-
-def _apply_steps_per_execution(model: Any, steps: int | None, name: str) -> None:
-    if steps is None or model.steps_per_execution == steps:
-        return
-    if model.steps_per_execution != 1:
-        raise ValueError(
-            f"The factory `{name}` compiled with steps_per_execution="
-            f"{model.steps_per_execution}, but distributed(steps_per_execution={steps}) asks "
-            "for another value. Pass it in one place only. "
-            f"Received: steps_per_execution={steps}"
-        )
-    model.steps_per_execution = steps
-    config = getattr(model, "_compile_config", None)
-    if config is not None and isinstance(getattr(config, "config", None), dict):
-        config.config["steps_per_execution"] = steps  # so a saved model keeps it
-
-
-def _compile_inside_scope(model: keras.Model, dist: Distribution, steps: int | None) -> None:
-    """Makes a later `model.compile(...)` run inside the strategy's scope, then checks it."""
-    original = model.compile
-
-    @functools.wraps(original)
-    def compile_in_scope(*args: Any, **kwargs: Any) -> None:
-        with activate(dist):
-            original(*args, **kwargs)
-        check_model(model, dist, factory_name=f"compile() of {model.name!r}")
-        _apply_steps_per_execution(model, steps, f"compile() of {model.name!r}")
-
-    object.__setattr__(model, "compile", compile_in_scope)

@@ -75,8 +75,8 @@ _APPLIED_FLAG = "_kmk_fit_stall_workaround"
 _TARGET_MODULE = "tensorflow.python.data.ops.multi_device_iterator_ops"
 _TARGET_NAME = "_create_device_dataset"
 
-_lock = threading.Lock()
-_active = 0
+_lock = threading.Lock()  # guards the one-time install
+_local = threading.local()  # each thread's depth of `per_device_autotune_disabled` blocks
 _installed = False
 _unavailable = False
 
@@ -131,7 +131,7 @@ def _install() -> bool:
     @functools.wraps(original)
     def create_device_dataset(*args: Any, **kwargs: Any) -> Any:
         dataset = original(*args, **kwargs)
-        if _active > 0:
+        if getattr(_local, "depth", 0) > 0:  # this thread is inside a block
             dataset = without_autotune(dataset)
         return dataset
 
@@ -147,8 +147,8 @@ def per_device_autotune_disabled() -> Iterator[None]:
 
     Covers the pipelines that `tf.distribute` builds for each replica when a distributed
     iterator is created (by `model.fit`, `evaluate`, `predict`, or `iter()` on a distributed
-    dataset). Re-entrant and thread-safe; pipelines built outside any such block are
-    untouched.
+    dataset) in this thread. Re-entrant, and per thread: pipelines built outside any such
+    block, including those another thread builds while this one is inside, are untouched.
 
     Returns:
         A context manager.
@@ -160,15 +160,13 @@ def per_device_autotune_disabled() -> Iterator[None]:
         model.fit(train_ds, epochs=10)
     ```
     """
-    global _active
     with _lock:
         _install()
-        _active += 1
+    _local.depth = getattr(_local, "depth", 0) + 1
     try:
         yield
     finally:
-        with _lock:
-            _active -= 1
+        _local.depth -= 1
 
 
 def is_applied(model: Any) -> bool:

@@ -32,7 +32,9 @@ case where the original raises), the wrapper calls the original with the same ar
 returns its result. Single-host training therefore runs exactly Keras' own code. The
 wrappers are installed only when `create_strategy` builds a multi-worker strategy (never
 on import), at most once per process (`apply` is idempotent), and only on the Keras
-versions this was tested on (`TESTED_KERAS`). On another version, if the source of Keras no
+versions this was tested on (`TESTED_KERAS`). For any other strategy Keras' private modules
+are not even looked at; if they lack what is wrapped, a `KerasWorkaroundWarning` says so and
+nothing is installed. On another version, if the source of Keras no
 longer contains the two failing calls the fix is taken to be upstream and nothing is done;
 otherwise a `KerasWorkaroundWarning` says so and the wrappers are installed. Setting
 `KMK_KERAS_WORKAROUND=off` disables them (`on` installs them on any version without the
@@ -204,11 +206,14 @@ def is_applied() -> bool:
     assert not is_applied()   # before any multi-worker strategy
     ```
     """
-    trainer = _trainer_module()
-    return bool(
-        getattr(trainer.reduce_per_replica, _MARK, False)
-        and getattr(trainer.TensorFlowTrainer._maybe_symbolic_build, _MARK, False)
-    )
+    try:
+        trainer = _trainer_module()
+        return bool(
+            getattr(trainer.reduce_per_replica, _MARK, False)
+            and getattr(trainer.TensorFlowTrainer._maybe_symbolic_build, _MARK, False)
+        )
+    except (ImportError, AttributeError):
+        return False
 
 
 def apply(strategy: Any) -> bool:
@@ -237,7 +242,7 @@ def apply(strategy: Any) -> bool:
     """
     chosen = mode()
     if not is_multi_worker(strategy):
-        return is_applied()
+        return bool(_originals)  # Keras' private modules are not touched on this path
     if chosen == "off":
         logger.info(
             "keras-mirror-kit: %s=off, so Keras' model.fit runs unpatched under %s (it "
@@ -249,9 +254,12 @@ def apply(strategy: Any) -> bool:
         )
         return is_applied()
     with _lock:
-        if is_applied():
-            return True
-        state = status() if chosen == "auto" else "tested"
+        try:
+            if is_applied():
+                return True
+            state = status() if chosen == "auto" else "tested"
+        except (ImportError, AttributeError) as err:
+            return _unavailable(err)
         if state == "fixed-upstream":
             logger.info(
                 "keras-mirror-kit: Keras %s no longer has the multi-worker fit bug (%s); "
@@ -272,13 +280,30 @@ def apply(strategy: Any) -> bool:
             )
             warnings.warn(message, KerasWorkaroundWarning, stacklevel=2)
             logger.warning(message)
-        _install()
+        try:
+            _install()
+        except (ImportError, AttributeError) as err:
+            return _unavailable(err)
     logger.info(
         "keras-mirror-kit: installed the multi-worker model.fit workaround for Keras %s (%s)",
         keras.__version__,
         " and ".join(UPSTREAM_ISSUES),
     )
     return True
+
+
+def _unavailable(err: BaseException) -> bool:
+    """Warns that this Keras lacks what the workaround wraps; returns False (not installed)."""
+    message = (
+        f"keras-mirror-kit: this Keras ({keras.__version__}) has no "
+        "keras.src.backend.tensorflow.trainer.TensorFlowTrainer._maybe_symbolic_build or "
+        f"reduce_per_replica ({err}), so the multi-worker model.fit workaround "
+        f"({' and '.join(UPSTREAM_ISSUES)}) was not installed; if fit fails with more than "
+        "one worker, use a Keras version in TESTED_KERAS"
+    )
+    warnings.warn(message, KerasWorkaroundWarning, stacklevel=3)
+    logger.warning(message)
+    return False
 
 
 def _install() -> None:

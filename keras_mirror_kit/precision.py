@@ -5,7 +5,10 @@ restores the previous policy afterwards, so layers built elsewhere are unaffecte
 stay float32 (that is what the mixed policies do); computations run in float16 or bfloat16.
 The model's output layers are kept in float32, where a softmax or a loss needs the range,
 and for `mixed_float16` Keras' `compile()` wraps the optimizer in a `LossScaleOptimizer`
-(dynamic loss scaling), as it does for any model built under that policy.
+(dynamic loss scaling), as it does for any model built under that policy. On more than one
+replica, Keras 3.15's `LossScaleOptimizer` trusts the first replica alone to say whether a
+step overflowed; `keras_mirror_kit.keras_loss_scale` makes every replica agree for the
+models the kit builds (or refuses float16 there on a Keras it was not tested on).
 """
 
 from __future__ import annotations

@@ -51,10 +51,12 @@ _IDLE, _RUNNING, _PAUSED = "idle", "running", "paused"
 class _Tally:
     steps: int = 0
     seconds: float = 0.0
+    samples: int = 0
 
-    def add(self, steps: int, seconds: float) -> None:
+    def add(self, steps: int, seconds: float, samples: int) -> None:
         self.steps += steps
         self.seconds += seconds
+        self.samples += samples
 
 
 def validate_baseline(value: object) -> float | None:
@@ -108,8 +110,8 @@ class ThroughputMeter:
     worker's clock gives the global rate), and
     `scaling_efficiency` when `baseline_samples_per_sec` is given: `samples_per_sec /
     (num_replicas * baseline_samples_per_sec)`, 1.0 meaning perfect linear scaling.
-    Every step is assumed to process `global_batch_size` samples (a smaller last batch is
-    counted as a full one).
+    Every step processes `global_batch_size` samples unless `step(samples=...)` says how many
+    (a smaller last batch).
 
     Args:
         global_batch_size: Samples per step over all replicas.
@@ -302,7 +304,7 @@ class ThroughputMeter:
         self._mark = now
         self._state = _RUNNING
 
-    def step(self, n_steps: int = 1, now: float | None = None) -> bool:
+    def step(self, n_steps: int = 1, now: float | None = None, samples: int | None = None) -> bool:
         """Records that `n_steps` training steps have just finished.
 
         The running time since the previous `step()` (or since the clock started), less
@@ -311,13 +313,17 @@ class ThroughputMeter:
 
         Args:
             n_steps: Steps finished since the previous call, e.g. `steps_per_execution`.
+            now: When they finished (clock value), if earlier than now.
+            samples: Samples those steps processed over all replicas; default
+                `n_steps * global_batch_size` (pass fewer for a smaller last batch).
 
         Returns:
             True if the steps were measured, False if they were warm-up.
 
         Raises:
-            TypeError: If `n_steps` is not an integer.
-            ValueError: If `n_steps` is not positive.
+            TypeError: If `n_steps` or `samples` is not an integer.
+            ValueError: If `n_steps` is not positive, or `samples` is not positive or more
+                than `n_steps` full batches.
             RuntimeError: If the clock is not running: call `start_epoch()` first (after
                 `stop()`), or `resume()` (after `pause()`).
 
@@ -328,6 +334,15 @@ class ThroughputMeter:
         ```
         """
         n_steps = validate_positive_int("n_steps", n_steps)
+        full = n_steps * self._global_batch_size
+        if samples is None:
+            samples = full
+        elif validate_positive_int("samples", samples) > full:
+            raise ValueError(
+                f"ThroughputMeter.step(): {n_steps} step(s) of at most "
+                f"{self._global_batch_size} samples cannot process more than {full}. "
+                f"Received: samples={samples}"
+            )
         if self._state != _RUNNING:
             raise RuntimeError(
                 f"ThroughputMeter.step() was called while the clock is {self._state}. Call "
@@ -338,14 +353,14 @@ class ThroughputMeter:
         elapsed = self._pending + (stamp - self._mark)
         self._pending = 0.0
         self._mark = stamp
-        return self._attribute(n_steps, elapsed)
+        return self._attribute(n_steps, elapsed, samples)
 
-    def _attribute(self, n_steps: int, elapsed: float) -> bool:
+    def _attribute(self, n_steps: int, elapsed: float, samples: int) -> bool:
         if self.in_warmup:
-            self._warmup.add(n_steps, elapsed)
+            self._warmup.add(n_steps, elapsed, samples)
             return False
         for tally in (self._run, self._epoch, self._interval):
-            tally.add(n_steps, elapsed)
+            tally.add(n_steps, elapsed, samples)
         return True
 
     def epoch_figures(self) -> dict[str, float] | None:
@@ -479,7 +494,7 @@ class ThroughputMeter:
         if tally.steps <= 0 or tally.seconds <= 0:
             return None
         steps_per_sec = tally.steps / tally.seconds
-        samples_per_sec = steps_per_sec * self._global_batch_size
+        samples_per_sec = tally.samples / tally.seconds
         figures = {
             "samples_per_sec": samples_per_sec,
             "samples_per_sec_per_replica": samples_per_sec / self._num_replicas,

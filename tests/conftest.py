@@ -1,8 +1,12 @@
-"""Test bed: this pytest process has 2 logical CPU devices, configured once.
+"""Test bed: this pytest process has 2 logical CPU devices, configured once, and no GPU.
 
 Logical devices must be configured before TensorFlow initialises, so it happens here, at
 import, before any test module imports TensorFlow's runtime. Tests that need another layout
 (1 device, or a fresh runtime) run in a subprocess through `tests/subproc.py`.
+
+GPUs are hidden (`CUDA_VISIBLE_DEVICES=-1`, inherited by every subprocess, and
+`set_visible_devices` here), so the suite asserts the same device layouts on a GPU host as
+on a laptop; what the kit does with GPUs is tested with fake device tables.
 """
 
 from __future__ import annotations
@@ -10,12 +14,15 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("WANDB_MODE", "offline")
+os.environ["WANDB_MODE"] = "offline"  # also for users who export WANDB_MODE=online
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.pop("KMK_SIMULATE_REPLICAS", None)
 os.environ.pop("TF_CONFIG", None)
+os.environ["CUDA_VISIBLE_DEVICES"] = "-1"  # before TensorFlow loads CUDA; children inherit it
+os.environ["HIP_VISIBLE_DEVICES"] = "-1"
 
 import tensorflow as tf  # noqa: E402
 
+tf.config.set_visible_devices([], "GPU")
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)

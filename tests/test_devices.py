@@ -72,3 +72,78 @@ def test_bad_simulate_replicas_arguments():
     assert "n=0" in errors[0] and errors[1].startswith("TypeError") and "n='2'" in errors[1]
     assert "device_type='TPU'" in errors[2]
     assert "no physical GPU" in errors[3]
+
+
+class FakeDeviceTable:
+    """tf.config's device functions over a made-up host, with TensorFlow's rules: every
+    visible physical device yields its logical devices (1 unless configured)."""
+
+    def __init__(self, gpus: int) -> None:
+        import tensorflow as tf
+
+        self.tf = tf
+        self.physical = {
+            "GPU": [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU")
+                    for i in range(gpus)],
+            "CPU": [tf.config.PhysicalDevice("/physical_device:CPU:0", "CPU")],
+        }
+        self.visible = {kind: list(devices) for kind, devices in self.physical.items()}
+        self.logical: dict[str, list] = {}
+
+    def list_physical_devices(self, kind=None):
+        return list(self.physical.get(kind, []))
+
+    def get_visible_devices(self, kind=None):
+        return list(self.visible.get(kind, []))
+
+    def set_visible_devices(self, devices, kind=None):
+        self.visible[kind] = list(devices) if isinstance(devices, list) else [devices]
+
+    def get_logical_device_configuration(self, device):
+        return self.logical.get(device.name)
+
+    def set_logical_device_configuration(self, device, configs):
+        self.logical[device.name] = list(configs)
+
+    def list_logical_devices(self, kind=None):
+        names = []
+        for device in self.visible.get(kind, []):
+            names += [None] * len(self.logical.get(device.name) or [None])
+        return [self.tf.config.LogicalDevice(f"/device:{kind}:{i}", kind)
+                for i in range(len(names))]
+
+    def install(self, monkeypatch):
+        for name in ("list_physical_devices", "get_visible_devices", "set_visible_devices",
+                     "get_logical_device_configuration", "set_logical_device_configuration",
+                     "list_logical_devices"):
+            monkeypatch.setattr(self.tf.config, name, getattr(self, name))
+
+
+@pytest.mark.parametrize(("gpus", "n"), [(1, 2), (4, 2), (8, 3), (2, 1)])
+def test_simulate_replicas_on_a_gpu_host_gives_exactly_n_replicas(monkeypatch, gpus, n):
+    from keras_mirror_kit.devices import DEFAULT_GPU_MEMORY_LIMIT_MB, replica_devices
+    from keras_mirror_kit.devices import simulate_replicas as simulate
+
+    table = FakeDeviceTable(gpus)
+    table.install(monkeypatch)
+    simulate(n)
+    assert len(replica_devices()) == n
+    assert table.visible["GPU"] == table.physical["GPU"][:1]
+    limits = [c.memory_limit for c in table.logical["/physical_device:GPU:0"]]
+    assert limits == [DEFAULT_GPU_MEMORY_LIMIT_MB] * n
+    simulate(n)  # idempotent
+    assert len(replica_devices()) == n
+
+
+def test_the_test_process_and_its_children_see_no_gpu():
+    """The suite hides GPUs (tests/conftest.py), so CPU-only assertions hold on GPU hosts."""
+    import os
+
+    import tensorflow as tf
+
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == "-1"
+    assert tf.config.get_visible_devices("GPU") == []
+    child = last_json(run_python(
+        "import json, tensorflow as tf\n"
+        "print('RESULT ' + json.dumps(len(tf.config.list_logical_devices('GPU'))))"))
+    assert child == 0

@@ -71,3 +71,36 @@ def test_models_built_by_the_kit_fit_without_per_device_autotuning():
     assert len(seen) >= 4 and all(enabled is False for enabled in seen)
     plain = models.compile_sgd(models.sequential())  # not built by the kit: untouched
     assert not keras_fit_stall.is_applied(plain)
+
+
+def test_the_block_is_per_thread_another_thread_keeps_autotuning():
+    """A thread building a distributed iterator while another is inside a kit fit (inside
+    the block) keeps TensorFlow's autotuning; the thread inside the block loses it."""
+    import threading
+
+    inside, other_done = threading.Event(), threading.Event()
+    results: dict[str, object] = {}
+
+    def kit_thread():
+        with keras_fit_stall.per_device_autotune_disabled():
+            inside.set()
+            other_done.wait(60)
+            first_distributed_batch()
+
+    def run():
+        thread = threading.Thread(target=kit_thread)
+        thread.start()
+        assert inside.wait(60)
+        try:
+            first_distributed_batch()  # this thread is outside any block
+        finally:
+            other_done.set()
+            thread.join(60)
+        results["done"] = True
+
+    seen = per_device_autotune(run)
+    assert results == {"done": True}
+    # 2 pipelines of this thread (autotuned), then 2 of the kit thread (not autotuned).
+    assert len(seen) == 4
+    assert all(enabled is not False for enabled in seen[:2]), seen
+    assert all(enabled is False for enabled in seen[2:]), seen

@@ -81,17 +81,23 @@ def test_sync_batch_norm_survives_saving(tmp_path):
     assert all(bn.synchronized for bn in batch_norms(reloaded))
 
 
-def test_a_batch_norm_that_cannot_be_synchronized_is_a_clear_error():
+def test_a_layer_named_like_batch_norm_is_left_alone_with_a_warning(caplog):
+    """Only real BatchNormalization layers are converted; a look-alike is no error."""
+
     class MyBatchNorm(keras.layers.Layer):
         def call(self, x):
             return x
 
     @kmk.distributed(per_replica_batch_size=4, sync_batch_norm=True)
     def build():
-        return keras.Sequential([keras.Input((3,)), MyBatchNorm(name="custom_bn")])
+        return keras.Sequential([
+            keras.Input((3,)), MyBatchNorm(name="custom_bn"), keras.layers.BatchNormalization()])
 
-    with pytest.raises(ValueError, match="'custom_bn' .* cannot be synchronized"):
-        build()
+    with caplog.at_level("WARNING", logger="keras_mirror_kit"):
+        model = build()
+    assert [la.synchronized for la in batch_norms(model)] == [True]
+    warned = [r.getMessage() for r in caplog.records if "'custom_bn'" in r.getMessage()]
+    assert len(warned) == 1 and "statistics stay per replica" in warned[0]
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
@@ -132,9 +138,15 @@ def test_bad_mixed_precision_and_steps_arguments():
         kmk.distributed(8, steps_per_execution="many")
     with pytest.raises(ValueError, match="steps_per_execution=0"):
         kmk.distributed(8, steps_per_execution=0)
-    with pytest.raises(ValueError, match="use @kmk.distributed"):
-        with kmk.distributed(8, sync_batch_norm=True):
-            pass
+
+
+def test_the_with_form_applies_sync_batch_norm_and_steps_per_execution():
+    with kmk.distributed(8, sync_batch_norm=True, steps_per_execution=4):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(),
+                                  keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    assert [la.synchronized for la in batch_norms(model)] == [True]
+    assert model.steps_per_execution == 4
 
 
 def spe_factory(steps, compile_steps=1, optimizer="adam"):
@@ -184,6 +196,50 @@ def test_steps_per_epoch_that_keras_would_round_up_is_rejected_before_training()
     assert "steps_per_epoch=8 or 12" in str(info.value) and counter.batches == 0
     model.fit(data, steps_per_epoch=12, epochs=2, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 24
+
+
+class TestSteps(keras.callbacks.Callback):
+    """Evaluation steps run, from the index Keras reports at each execution's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.test_batches = 0
+
+    def on_test_begin(self, logs=None):
+        self.test_batches = 0
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.test_batches = batch + 1
+
+
+def test_keras_still_rounds_evaluation_steps_up():
+    """The same Keras 3.15 bug in evaluate(steps=) and fit(validation_steps=) (plain Keras)."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", steps_per_execution=4)
+    data = tf.data.Dataset.from_tensor_slices((np.ones((40, 3)), np.ones((40, 1)))).batch(2)
+    counter = TestSteps()
+    model.evaluate(data.repeat(), steps=10, verbose=0, callbacks=[counter])
+    assert counter.test_batches == 12  # not 10
+    counter = TestSteps()
+    model.fit(data.repeat(), steps_per_epoch=4, epochs=1, validation_data=data.repeat(),
+              validation_steps=10, verbose=0, callbacks=[counter])
+    assert counter.test_batches == 12  # not 10
+
+
+def test_evaluation_steps_that_keras_would_round_up_are_rejected_before_any_step():
+    model = spe_factory(4)()
+    data = kmk.make_dataset(X, Y, 16, seed=0).repeat()
+    counter, steps = CountBatches(), TestSteps()
+    with pytest.raises(ValueError, match="steps=10 is not a multiple") as info:
+        model.evaluate(data, steps=10, verbose=0, callbacks=[counter, steps])
+    assert "steps=8 or 12" in str(info.value)
+    with pytest.raises(ValueError, match="validation_steps=6 is not a multiple"):
+        model.fit(data, steps_per_epoch=8, epochs=1, validation_data=data,
+                  validation_steps=6, verbose=0, callbacks=[counter, steps])
+    assert counter.batches == steps.test_batches == 0
+    assert int(model.optimizer.iterations.numpy()) == 0
+    model.evaluate(data, steps=8, verbose=0, callbacks=[steps])
+    assert steps.test_batches == 8
 
 
 @pytest.mark.parametrize(("steps", "resume_at"), [(4, (2, 12)), (3, (2, 0))])

@@ -1,16 +1,14 @@
-"""Device discovery, simulated replicas and all-reduce choice.
+"""Replica devices: which devices get a replica, and simulated replicas.
 
-Everything here runs before or while the strategy is created. `simulate_replicas(n)` splits
-the CPU (or the first GPU) into `n` logical devices so multi-replica code runs on a laptop or
-in CI; it must run before TensorFlow initialises its devices, which is also when the
-`KMK_SIMULATE_REPLICAS` environment variable is read.
+`simulate_replicas(n)` splits the CPU (or the first GPU) into `n` logical devices so
+multi-replica code runs on a laptop or in CI; it must run before TensorFlow initialises its
+devices, which is also when the `KMK_SIMULATE_REPLICAS` environment variable is read.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -18,11 +16,8 @@ import tensorflow as tf
 from keras_mirror_kit.batching import validate_positive_int
 
 __all__ = [
-    "CROSS_DEVICE_OPS",
     "SIMULATE_REPLICAS_ENV",
     "configure_from_environment",
-    "make_cross_device_ops",
-    "nccl_available",
     "replica_devices",
     "simulate_replicas",
 ]
@@ -30,7 +25,6 @@ __all__ = [
 logger = logging.getLogger("keras_mirror_kit")
 
 SIMULATE_REPLICAS_ENV = "KMK_SIMULATE_REPLICAS"
-CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduction_to_one_device")
 DEFAULT_GPU_MEMORY_LIMIT_MB = 2048
 
 
@@ -41,8 +35,10 @@ def simulate_replicas(
 
     Call it at the top of a script, before TensorFlow creates any tensor, model or
     strategy. Then `distributed()` finds `n` devices and builds `n` replicas. On a host with
-    a GPU the first GPU is split (each logical GPU gets `memory_limit_mb`); otherwise the
-    CPU is. Calling it again with the same `n` is a no-op.
+    GPUs the first GPU is split and the other GPUs are hidden from this process, so there
+    are exactly `n` replicas whatever the number of GPUs; each logical GPU gets
+    `memory_limit_mb` of memory (2048 MiB by default, so `n` x 2048 MiB must fit on the
+    first GPU). Otherwise the CPU is split. Calling it again with the same `n` is a no-op.
 
     Args:
         n: Number of logical devices (replicas) to create; a positive integer.
@@ -85,10 +81,16 @@ def simulate_replicas(
         configs = [tf.config.LogicalDeviceConfiguration(memory_limit=limit)] * n
     else:
         configs = [tf.config.LogicalDeviceConfiguration()] * n
+    # Only the split device keeps replicas: on a host with G GPUs, hide GPUs 1..G-1, or
+    # the default device list would hold n + G - 1 replicas.
+    visible = [physical[0]] if device_type == "GPU" else None
     existing = tf.config.get_logical_device_configuration(physical[0])
-    if existing is not None and len(existing) == n:
+    already_visible = visible is None or tf.config.get_visible_devices("GPU") == visible
+    if existing is not None and len(existing) == n and already_visible:
         return
     try:
+        if visible is not None:
+            tf.config.set_visible_devices(visible, "GPU")
         tf.config.set_logical_device_configuration(physical[0], configs)
     except RuntimeError as err:
         have = len(tf.config.list_logical_devices(device_type))
@@ -101,7 +103,14 @@ def simulate_replicas(
             f"TensorFlow tensor, model or strategy is created, or set the environment "
             f"variable {SIMULATE_REPLICAS_ENV}={n} before starting Python."
         ) from err
-    logger.info("keras-mirror-kit: simulating %d %s replicas", n, device_type)
+    hidden = len(physical) - 1 if visible is not None else 0
+    logger.info(
+        "keras-mirror-kit: simulating %d %s replicas on %s%s",
+        n,
+        device_type,
+        physical[0].name,
+        f" ({hidden} other GPU(s) hidden from this process)" if hidden else "",
+    )
 
 
 def configure_from_environment() -> None:
@@ -199,72 +208,3 @@ def replica_devices(devices: Sequence[str] | None = None) -> list[str]:
             )
         names.append(available[key])
     return names
-
-
-def nccl_available() -> bool:
-    """Whether NCCL all-reduce can be used: GPUs, and a CUDA (or ROCm) build on Linux.
-
-    Returns:
-        True when NCCL (RCCL) ships with this TensorFlow build and a GPU is visible.
-
-    Example:
-
-    ```python
-    ops = "nccl" if nccl_available() else "hierarchical_copy"
-    ```
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    info = tf.sysconfig.get_build_info()
-    built = bool(info.get("is_cuda_build") or info.get("is_rocm_build"))
-    return built and bool(tf.config.list_physical_devices("GPU"))
-
-
-def make_cross_device_ops(
-    name: str | tf.distribute.CrossDeviceOps, devices: Sequence[str]
-) -> tuple[tf.distribute.CrossDeviceOps, str]:
-    """Builds the all-reduce implementation for a set of replica devices.
-
-    `"auto"` uses NCCL across GPUs when NCCL is usable, hierarchical copy across GPUs
-    otherwise, and reduction to one device on CPUs.
-
-    Args:
-        name: One of `CROSS_DEVICE_OPS`, or a `tf.distribute.CrossDeviceOps` instance.
-        devices: The replica devices (full names).
-
-    Returns:
-        `(cross_device_ops, name)`.
-
-    Raises:
-        ValueError: For an unknown name, or `"nccl"` where NCCL cannot run.
-
-    Example:
-
-    ```python
-    ops, chosen = make_cross_device_ops("auto", replica_devices())
-    ```
-    """
-    if isinstance(name, tf.distribute.CrossDeviceOps):
-        return name, type(name).__name__
-    if name not in CROSS_DEVICE_OPS:
-        raise ValueError(
-            f"Unknown `cross_device_ops`. Expected one of {', '.join(map(repr, CROSS_DEVICE_OPS))}"
-            f" or a tf.distribute.CrossDeviceOps. Received: cross_device_ops={name!r}"
-        )
-    all_gpu = all(_canonical(d)[0] == "GPU" for d in devices)
-    if name == "nccl" and not (all_gpu and nccl_available()):
-        raise ValueError(
-            "`cross_device_ops='nccl'` needs GPU replicas and a CUDA build of TensorFlow on "
-            f"Linux; here the replicas are {list(devices)}. Use cross_device_ops='auto'. "
-            f"Received: cross_device_ops={name!r}"
-        )
-    if name == "auto":
-        if all_gpu and len(devices) > 1:
-            name = "nccl" if nccl_available() else "hierarchical_copy"
-        else:
-            name = "reduction_to_one_device"
-    if name == "nccl":
-        return tf.distribute.NcclAllReduce(), name
-    if name == "hierarchical_copy":
-        return tf.distribute.HierarchicalCopyAllReduce(), name
-    return tf.distribute.ReductionToOneDevice(), name

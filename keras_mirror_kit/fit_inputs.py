@@ -1,0 +1,271 @@
+"""The data given to `fit`, `evaluate` and `predict` of a model the kit built: checks and batches.
+
+Two rules of the quickstart that Keras does not enforce, checked before any step:
+
+* The training dataset yields batches of the distribution's **global** batch size. A dataset
+  batched per replica (or to anything else) trains with another batch than the one the
+  learning rate was scaled for, and the kit's throughput figures count the wrong samples.
+  The batch size is read where it is known without running the pipeline: a dataset built
+  by `kmk.make_dataset`, or a `Dataset.batch(n)` / `padded_batch(n)` followed only by
+  transformations that keep the batch (map, prefetch, cache, repeat, take, skip, shuffle,
+  filter, options). Other pipelines (unbatch, rebatch, generators) are not checked.
+* The dataset is not already distributed: `strategy.experimental_distribute_dataset` (or
+  `distribute_datasets_from_function`) copies the data again; Keras distributes a plain
+  `tf.data.Dataset` itself.
+
+And the batch actually used (`BatchPlan`): NumPy arrays or tensors given without
+`batch_size` are batched with the distribution's global batch size (Keras' default of 32
+knows nothing of the replicas); a `batch_size` given is honoured. The plan also says how
+many samples one epoch holds when that is known (arrays, or a `kmk.make_dataset` dataset
+that keeps its last partial batch), so `ThroughputMonitor` counts a smaller last batch
+exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from keras_mirror_kit.distribution import Distribution
+
+__all__ = [
+    "BatchPlan",
+    "check_input",
+    "dataset_batch_size",
+    "dataset_cursor",
+    "is_array_data",
+    "plan_batches",
+]
+
+_BATCHING = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
+# Transformations whose elements are the batches of their input, unchanged in size.
+_KEEPS_BATCH = (
+    "_MapDataset",
+    "_ParallelMapDataset",
+    "_PrefetchDataset",
+    "CacheDataset",
+    "_CacheDataset",
+    "_RepeatDataset",
+    "_TakeDataset",
+    "_SkipDataset",
+    "_ShuffleDataset",
+    "_FilterDataset",
+    "_OptionsDataset",
+    "_AssertCardinalityDataset",
+    "_MaxIntraOpParallelismDataset",
+    "_PrivateThreadPoolDataset",
+)
+# Transformations whose epoch holds exactly the samples of their input's epoch.
+_KEEPS_EPOCH = (
+    "_MapDataset",
+    "_ParallelMapDataset",
+    "_PrefetchDataset",
+    "CacheDataset",
+    "_CacheDataset",
+    "_OptionsDataset",
+    "_MaxIntraOpParallelismDataset",
+    "_PrivateThreadPoolDataset",
+)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Samples per step of one `fit`/`evaluate`/`predict` call, and per epoch when known.
+
+    Args:
+        batch_size: Samples per full step over all replicas.
+        epoch_samples: Samples in one epoch (its last step may hold fewer than
+            `batch_size`), or None when unknown.
+
+    Example:
+
+    ```python
+    BatchPlan(batch_size=64, epoch_samples=193).last_batch_size(steps=4)  # 1
+    ```
+    """
+
+    batch_size: int
+    epoch_samples: int | None = None
+
+    def last_batch_size(self, steps: int | None) -> int | None:
+        """Samples in the last step of an epoch of `steps` steps, when it is a smaller one.
+
+        Args:
+            steps: Steps per epoch (Keras' `params["steps"]`), or None.
+
+        Returns:
+            The size of a partial last batch, or None (full, or unknown).
+
+        Example:
+
+        ```python
+        plan.last_batch_size(steps=4)
+        ```
+        """
+        if not steps or self.epoch_samples is None:
+            return None
+        last = self.epoch_samples - (steps - 1) * self.batch_size
+        return last if 0 < last < self.batch_size else None
+
+
+def is_array_data(x: Any) -> bool:
+    """Whether `x` is in-memory arrays (NumPy arrays or eager tensors, or a structure of them).
+
+    Args:
+        x: The `x` given to `fit`, `evaluate` or `predict`.
+
+    Returns:
+        True for arrays Keras batches itself with `batch_size`.
+
+    Example:
+
+    ```python
+    is_array_data(np.zeros((8, 3)))  # True
+    ```
+    """
+    leaves = tf.nest.flatten(x)
+    return bool(leaves) and all(
+        isinstance(leaf, (np.ndarray, tf.Tensor)) and len(np.shape(leaf)) > 0 for leaf in leaves
+    )
+
+
+def _epoch_samples(dataset: Any) -> int | None:
+    samples = _find(dataset, "_kmk_epoch_samples", _KEEPS_EPOCH)[0]
+    return int(samples) if samples is not None else None
+
+
+def plan_batches(
+    x: Any,
+    dist: Distribution,
+    batch_size: int | None = None,
+    validation_split: float = 0.0,
+    steps_per_epoch: int | None = None,
+) -> BatchPlan:
+    """The batch one call of `fit`, `evaluate` or `predict` uses (see the module docstring).
+
+    Args:
+        x: The data argument.
+        dist: The model's distribution.
+        batch_size: The call's `batch_size` argument (arrays only).
+        validation_split: `fit`'s `validation_split` (arrays only).
+        steps_per_epoch: `fit`'s `steps_per_epoch` (an epoch is then not one pass).
+
+    Returns:
+        The `BatchPlan`.
+
+    Example:
+
+    ```python
+    plan = plan_batches(x_train, dist)   # arrays: dist.global_batch_size per step
+    ```
+    """
+    if is_array_data(x):
+        size = int(batch_size) if batch_size else dist.global_batch_size
+        samples = int(np.shape(tf.nest.flatten(x)[0])[0])
+        if validation_split:
+            samples = int(math.floor(samples * (1.0 - validation_split)))
+        return BatchPlan(size, None if steps_per_epoch else samples)
+    size = dataset_batch_size(x) or dist.global_batch_size
+    return BatchPlan(size, None if steps_per_epoch else _epoch_samples(x))
+
+
+def _find(dataset: Any, attribute: str, through: tuple[str, ...]) -> tuple[Any, Any]:
+    """The first `attribute` down the pipeline through `through` nodes, and where it stopped."""
+    node = dataset
+    for _ in range(256):
+        value = getattr(node, attribute, None)
+        if value is not None or type(node).__name__ not in through:
+            return value, node
+        node = getattr(node, "_input_dataset", None)
+    return None, node
+
+
+def dataset_batch_size(dataset: Any) -> int | None:
+    """The batch size a `tf.data.Dataset` yields, when it is known without running it.
+
+    Args:
+        dataset: Any object.
+
+    Returns:
+        The batch size of a `kmk.make_dataset` dataset or of a `batch(n)` pipeline
+        (see the module docstring), else None.
+
+    Example:
+
+    ```python
+    dataset_batch_size(tf.data.Dataset.range(10).batch(4).prefetch(1))  # 4
+    ```
+    """
+    size, node = _find(dataset, "_kmk_batch_size", _KEEPS_BATCH)
+    if size is not None:
+        return int(size)
+    if type(node).__name__ in _BATCHING:
+        value = tf.get_static_value(getattr(node, "_batch_size", None))
+        return int(value) if value is not None else None
+    return None
+
+
+def dataset_cursor(dataset: Any) -> Any:
+    """The `DatasetCursor` of the `kmk.make_dataset` dataset a pipeline is built on, if any.
+
+    Args:
+        dataset: Any object (for example `make_dataset(...).prefetch(1)`).
+
+    Returns:
+        The cursor, found through transformations that keep the batches, or None.
+
+    Example:
+
+    ```python
+    assert dataset_cursor(ds.repeat()) is kmk.cursor_of(ds)
+    ```
+    """
+    return _find(dataset, "_kmk_cursor", _KEEPS_BATCH)[0]
+
+
+def check_input(x: Any, dist: Distribution, method: str, argument: str = "x") -> None:
+    """Checks data given to `fit`, `evaluate` or `predict` of a model built under `dist`.
+
+    Args:
+        x: The data argument.
+        dist: The model's distribution.
+        method: `"fit"`, `"evaluate"` or `"predict"`.
+        argument: The argument's name, for messages (`"x"` or `"validation_data"`).
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: If `x` is a dataset already distributed over the replicas, or (the
+            training data of `fit`) batched to another size than the global batch size.
+
+    Example:
+
+    ```python
+    check_input(train_ds, build_model.distribution, "fit")
+    ```
+    """
+    if isinstance(x, tf.distribute.DistributedDataset):
+        raise ValueError(
+            f"{method}() was given a dataset already distributed over the replicas (by "
+            "strategy.experimental_distribute_dataset or distribute_datasets_from_function). "
+            "Give Keras the plain tf.data.Dataset, batched with the global batch size: "
+            "Keras distributes it itself, and distributing it yourself copies the data "
+            f"again. Received: {argument}={type(x).__name__}"
+        )
+    if method != "fit" or argument != "x":
+        return
+    size = dataset_batch_size(x)
+    if size is not None and size != dist.global_batch_size:
+        raise ValueError(
+            f"fit() was given a dataset batched to {size} samples per step, but the model "
+            f"was built for a global batch of {dist.global_batch_size} "
+            f"({dist.per_replica_batch_size} per replica x {dist.num_replicas} replicas). "
+            "Batch the dataset with the GLOBAL batch size, e.g. "
+            "kmk.make_dataset(x, y, dist.global_batch_size), or build the model with "
+            f"distributed(global_batch_size={size}). Received: batch_size={size}"
+        )
