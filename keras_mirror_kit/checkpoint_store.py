@@ -12,8 +12,9 @@ arrays plus a JSON-able metadata dict, stored as one `.npz` file. The guarantees
   is pruned); reading verifies the hash (and the zip CRCs), and a corrupt file is skipped
   with a warning in favour of the previous good one.
 * Retention keeps the newest `keep` checkpoints and, beyond the newest, at least two older
-  usable resume points (and the newest one whose values are all finite), so a damaged
-  newest checkpoint always leaves a way back.
+  usable resume points (and the newest one whose values are all finite, and the newest
+  finite one written at an epoch boundary), so a damaged newest checkpoint always leaves a
+  way back, and a run that cannot resume mid-epoch finds an epoch boundary.
 * Only files this module names (`ckpt-NNNNNNNN.npz`, `manifest.json` and their hidden
   temporaries) are ever deleted; anything else in the directory is left alone.
 """
@@ -142,8 +143,9 @@ class CheckpointStore:
         directory: Where checkpoints live; created on `prepare()`.
         keep: How many of the newest checkpoints to keep (>= 1). Beyond the newest, the
             two newest older *usable* resume points are kept as well (epoch-boundary
-            checkpoints, or any checkpoint when `mid_epoch_resumable` is set), and the
-            newest checkpoint whose values are all finite.
+            checkpoints, or any checkpoint when `mid_epoch_resumable` is set), the
+            newest checkpoint whose values are all finite, and the newest finite one
+            written at an epoch boundary.
 
     Raises:
         ValueError: If `keep` is not a positive integer.
@@ -389,6 +391,11 @@ class CheckpointStore:
         finite = [e for e in entries if e.get("finite") is not False and not e.get("unreadable")]
         if finite:  # never rotate the last finite state away because of non-finite saves
             keep.add(finite[-1]["index"])
+        # A later run that cannot resume mid-epoch (data, replicas or dataset= changed)
+        # needs an epoch boundary, even when mid-epoch saves fill the resume points above.
+        boundaries = [e for e in finite if e.get("epoch_end")]
+        if boundaries:
+            keep.add(boundaries[-1]["index"])
         return [e for e in entries if e["index"] in keep]
 
     # -- read --------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ class DatasetCursor:
         num_batches: Batches in one full epoch.
         seed: The shuffle seed.
         seed_given: Whether the user chose the seed (False: drawn at random).
+        num_samples: Samples the epoch's order is a permutation of, or None when unknown
+            (a resume compares it with the checkpoint's).
 
     Example:
 
@@ -61,8 +63,15 @@ class DatasetCursor:
     ```
     """
 
-    def __init__(self, num_batches: int, seed: int = 0, seed_given: bool = True) -> None:
+    def __init__(
+        self,
+        num_batches: int,
+        seed: int = 0,
+        seed_given: bool = True,
+        num_samples: int | None = None,
+    ) -> None:
         self.num_batches = num_batches
+        self.num_samples = num_samples
         self.seed_given = seed_given
         # A lookup table, not a tf.Variable: a table is not mirrored when the dataset is
         # made inside a strategy's scope, and it is read on the host by the input pipeline.
@@ -324,7 +333,7 @@ def make_dataset(
 
     with tf.device("/cpu:0"):
         tensors = tf.nest.map_structure(tf.convert_to_tensor, arrays)
-    cursor = DatasetCursor(num_batches, seed=seed, seed_given=seed_given)
+    cursor = DatasetCursor(num_batches, seed=seed, seed_given=seed_given, num_samples=n)
 
     def next_batch(state: Any, step: tf.Tensor) -> Any:
         # The state lives per iterator: on its first batch, read the cursor and compute

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -80,6 +81,9 @@ class BatchPlan:
         batch_size: Samples per full step over all replicas.
         epoch_samples: Samples in one epoch (its last step may hold fewer than
             `batch_size`), or None when unknown.
+        known: False when the data's batch size could not be read (a generator, a
+            `PyDataset`, a pipeline that unbatches): `batch_size` is then the
+            distribution's global batch size, assumed.
 
     Example:
 
@@ -90,6 +94,7 @@ class BatchPlan:
 
     batch_size: int
     epoch_samples: int | None = None
+    known: bool = True
 
     def last_batch_size(self, steps: int | None) -> int | None:
         """Samples in the last step of an epoch of `steps` steps, when it is a smaller one.
@@ -112,14 +117,26 @@ class BatchPlan:
         return last if 0 < last < self.batch_size else None
 
 
+def _keras_can_convert_arrays() -> Any:
+    """Keras' own test for the data its `ArrayDataAdapter` batches with `batch_size`."""
+    try:
+        from keras.src.trainers.data_adapters.array_data_adapter import can_convert_arrays
+    except ImportError:  # another Keras layout: fall back to NumPy arrays and tensors
+        return None
+    return can_convert_arrays
+
+
 def is_array_data(x: Any) -> bool:
-    """Whether `x` is in-memory arrays (NumPy arrays or eager tensors, or a structure of them).
+    """Whether `x` is in-memory arrays that Keras batches itself with `batch_size`.
+
+    NumPy arrays, tensors, and anything else Keras' array adapter takes (objects with
+    `__array__` such as pandas frames, sparse tensors and matrices), or a structure of them.
 
     Args:
         x: The `x` given to `fit`, `evaluate` or `predict`.
 
     Returns:
-        True for arrays Keras batches itself with `batch_size`.
+        True for such arrays; False for datasets, generators, `PyDataset`s and None.
 
     Example:
 
@@ -127,10 +144,21 @@ def is_array_data(x: Any) -> bool:
     is_array_data(np.zeros((8, 3)))  # True
     ```
     """
+    if x is None or isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+        return False
+    can_convert = _keras_can_convert_arrays()
+    if can_convert is not None:
+        return bool(can_convert((x,)))
     leaves = tf.nest.flatten(x)
     return bool(leaves) and all(
         isinstance(leaf, (np.ndarray, tf.Tensor)) and len(np.shape(leaf)) > 0 for leaf in leaves
     )
+
+
+def _num_samples(x: Any) -> int:
+    first = keras.tree.flatten(x)[0]
+    shape = getattr(first, "shape", None)
+    return int(shape[0]) if shape is not None else len(first)
 
 
 def _epoch_samples(dataset: Any) -> int | None:
@@ -165,11 +193,13 @@ def plan_batches(
     """
     if is_array_data(x):
         size = int(batch_size) if batch_size else dist.global_batch_size
-        samples = int(np.shape(tf.nest.flatten(x)[0])[0])
+        samples = _num_samples(x)
         if validation_split:
             samples = int(math.floor(samples * (1.0 - validation_split)))
         return BatchPlan(size, None if steps_per_epoch else samples)
-    size = dataset_batch_size(x) or dist.global_batch_size
+    size = dataset_batch_size(x)
+    if size is None:
+        return BatchPlan(dist.global_batch_size, known=False)
     return BatchPlan(size, None if steps_per_epoch else _epoch_samples(x))
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["check_fit_arguments", "check_step_arguments"]
+__all__ = ["check_step_arguments"]
 
 
 def check_step_arguments(model: Any, **steps: int | None) -> None:
@@ -59,25 +59,3 @@ def check_step_arguments(model: Any, **steps: int | None) -> None:
             f"{runs} instead (see keras_mirror_kit.keras_epoch_rounding). Use a multiple, "
             f"e.g. {name}={lower} or {lower + per_execution}. Received: {name}={count}"
         )
-
-
-def check_fit_arguments(model: Any, steps_per_epoch: int | None) -> None:
-    """Rejects a `steps_per_epoch` that Keras would round up (see `check_step_arguments`).
-
-    Args:
-        model: The model about to be fit.
-        steps_per_epoch: The `fit()` argument.
-
-    Returns:
-        None.
-
-    Raises:
-        ValueError: If `steps_per_epoch` is not a multiple of `model.steps_per_execution`.
-
-    Example:
-
-    ```python
-    check_fit_arguments(model, steps_per_epoch=12)
-    ```
-    """
-    check_step_arguments(model, steps_per_epoch=steps_per_epoch)

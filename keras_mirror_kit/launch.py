@@ -35,8 +35,14 @@ a message naming that worker and the last lines of its stderr.
 
 Workers never outlive the launcher: SIGINT, SIGTERM and SIGHUP stop them as above, and if
 the launcher dies without doing so (SIGKILL, a crash), each worker gets SIGKILL from the
-kernel (Linux: a parent-death signal set in the worker before it starts) and a small
-watchdog process kills every worker's process group as soon as the launcher is gone.
+kernel (Linux only: a parent-death signal, set by a small Python wrapper that then execs
+the worker's program) and a small watchdog process kills every worker's process group as
+soon as the launcher is gone. For tests and debugging only, `KMK_LAUNCH_NO_PDEATHSIG=1` or
+`KMK_LAUNCH_NO_WATCHDOG=1` in the launcher's environment turns one of the two off.
+Elsewhere than Linux, the watchdog alone does this, and what a worker left in its group
+gets SIGKILL right after SIGTERM at a normal end (no /proc to wait on); where `os.waitid`
+is missing (macOS before Python 3.13) the launcher reaps a worker when it sees it exit,
+so what that worker left in its group is no longer stopped.
 
 On a host with GPUs each worker gets its own: `--gpus-per-worker K` (default: the visible
 GPUs split evenly) sets `CUDA_VISIBLE_DEVICES` per worker (see `visible_gpus` and
@@ -50,7 +56,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import ctypes
 import difflib
 import json
 import math
@@ -64,7 +69,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -90,7 +95,9 @@ EXIT_TIMEOUT = 124
 EXIT_USAGE = 2
 FINISH_WINDOW_S = 30.0
 NVIDIA_SMI_TIMEOUT_S = 30.0
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# For tests and debugging only: "1" turns off the parent-death signal / the watchdog.
+NO_PDEATHSIG_ENV = "KMK_LAUNCH_NO_PDEATHSIG"
+NO_WATCHDOG_ENV = "KMK_LAUNCH_NO_WATCHDOG"
 TAIL_LINES = 20
 POLL_S = 0.05
 PYTHON_SUFFIXES = (".py", ".pyw", ".pyz")
@@ -441,26 +448,49 @@ def _group_members(pgid: int) -> list[int] | None:
     return members
 
 
-def _parent_death_preexec() -> Callable[[], None] | None:
-    """A preexec_fn giving the worker SIGKILL when the launcher dies (Linux); else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    launcher = os.getpid()
+# Each worker's first program on Linux: asks the kernel for SIGKILL when the launcher dies
+# (PR_SET_PDEATHSIG outlives exec), then becomes the worker's program with os.execvp. Done
+# here, not in a Popen preexec_fn: that runs in the forked launcher, which Python documents
+# as unsafe in a process with threads (the relay threads; TensorFlow's, under the CLI).
+# argv: the launcher's pid, "=" + the worker's LC_CTYPE or "" for none, the command.
+_PDEATHSIG_WRAPPER = """
+import os, signal, sys
+launcher, lc_ctype, command = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+if lc_ctype:  # undoes this interpreter's own locale coercion (PEP 538)
+    os.environ["LC_CTYPE"] = lc_ctype[1:]
+else:
+    os.environ.pop("LC_CTYPE", None)
+try:
+    import ctypes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+except (ImportError, OSError, AttributeError):
+    pass
+if os.getppid() != launcher:  # the launcher died before the line above
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    os.execvp(command[0], command)
+except OSError as err:
+    sys.stderr.write(f"keras-mirror-kit launch: cannot run {command[0]!r}: {err}\\n")
+    sys.exit(127)
+"""
 
-    def preexec() -> None:
-        # Runs in the forked worker before exec. The signal fires when the thread that
-        # forked it exits: the launcher's thread running main(), which outlives the workers.
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != launcher:  # the launcher died before the line above
-            os.kill(os.getpid(), signal.SIGKILL)
 
-    return preexec
+def _disabled(name: str) -> bool:
+    """Whether the launcher's environment turns a mechanism off (`name` set, not "" or "0")."""
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def _with_parent_death_signal(command: list[str], env: Mapping[str, str]) -> list[str]:
+    """`command` started through _PDEATHSIG_WRAPPER on Linux; as is elsewhere or when off."""
+    if not sys.platform.startswith("linux") or not sys.executable or _disabled(NO_PDEATHSIG_ENV):
+        return command
+    lc_ctype = "=" + env["LC_CTYPE"] if "LC_CTYPE" in env else ""
+    # The signal fires when the thread that started the worker exits: the launcher's thread
+    # running main(), which outlives the workers.
+    wrapper = [sys.executable, "-I", "-S", "-c", _PDEATHSIG_WRAPPER, str(os.getpid())]
+    return [*wrapper, lc_ctype, *command]
 
 
 # Reads the workers' process-group ids from stdin until EOF; unless the launcher wrote
@@ -482,7 +512,7 @@ class _Watchdog:
 
     def __init__(self) -> None:
         self.process: subprocess.Popen[bytes] | None = None
-        if not sys.executable:
+        if not sys.executable or _disabled(NO_WATCHDOG_ENV):
             return
         with contextlib.suppress(OSError):
             self.process = subprocess.Popen(
@@ -517,11 +547,21 @@ class _Watchdog:
         self.process = None
 
 
+def _can_peek() -> bool:
+    """Whether os.waitid can see an exit without reaping (not on macOS before Python 3.13)."""
+    return all(hasattr(os, name) for name in ("waitid", "WNOWAIT", "P_PID", "CLD_EXITED"))
+
+
 def _peek_exit(worker: _Worker) -> int | None:
     """The worker's exit code if it has exited, without reaping it (Popen-style sign)."""
     if worker.exit_code is not None or worker.process.returncode is not None:
         if worker.exit_code is None:
             worker.exit_code = worker.process.returncode
+        return worker.exit_code
+    if not _can_peek():  # reaps it: from here its group is out of reach (_signal_group)
+        if worker.process.poll() is None:
+            return None
+        worker.exit_code = worker.process.returncode
         return worker.exit_code
     try:
         info = os.waitid(os.P_PID, worker.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -833,7 +873,6 @@ class _Group:
             f"starting {n} worker(s) on 127.0.0.1 ports {', '.join(map(str, ports))}"
             f"{placement}: {shlex.join(shown)}"
         )
-        preexec = _parent_death_preexec()
         self.watchdog = _Watchdog()
         for index in range(n):
             ready = os.path.join(self.ready_dir, f"ready-{index}") if self.ready_dir else None
@@ -846,13 +885,12 @@ class _Group:
                 memory_growth=self.args.memory_growth,
             )
             process = subprocess.Popen(
-                command,
+                _with_parent_death_signal(command, env),
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # its own process group: we can kill all of it
-                preexec_fn=preexec,  # noqa: PLW1509 (prctl only; prepared before the fork)
             )
             self.watchdog.guard(process.pid)  # the group's id
             worker = _Worker(index, process, ready)

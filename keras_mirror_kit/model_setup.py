@@ -73,7 +73,19 @@ LOGS_PRODUCER = "_kmk_logs_producer"
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """The per-model knobs of a `distributed()`: mixed precision, sync BN, steps per call."""
+    """The per-model knobs of a `distributed()`: mixed precision, sync BN, steps per call.
+
+    Args:
+        mixed_precision: `"mixed_float16"`, `"mixed_bfloat16"` or None.
+        sync_batch_norm: Switch BatchNormalization layers to synchronized statistics.
+        steps_per_execution: Steps per compiled call, or None to leave `compile()`'s.
+
+    Example:
+
+    ```python
+    prepare_model(model, dist, ModelOptions(steps_per_execution=8))
+    ```
+    """
 
     mixed_precision: str | None = None
     sync_batch_norm: bool = False
@@ -403,7 +415,19 @@ def _blocks() -> list[tuple[Distribution, ModelOptions]]:
 
 @contextmanager
 def factory_running() -> Iterator[None]:
-    """While a decorated factory runs, `compile()` leaves preparing to the factory."""
+    """While a decorated factory runs, `compile()` leaves preparing to the factory.
+
+    Returns:
+        A context manager (per thread, re-entrant).
+
+    Example:
+
+    ```python
+    with activate(dist), factory_running():
+        model = factory()
+    prepare_model(model, dist, options)
+    ```
+    """
     _local.factories = getattr(_local, "factories", 0) + 1
     try:
         yield

@@ -67,11 +67,43 @@ def test_a_smaller_last_array_batch_is_counted_exactly(model):
 
 def test_validation_split_is_taken_out_before_counting(model):
     monitor = kmk.ThroughputMonitor(warmup_steps=0)
-    # Keras trains on floor(320 * 0.8) = 256 samples: 4 full batches of 64.
-    model.fit(X[:320], Y[:320], validation_split=0.2, epochs=1, verbose=0,
+    # Keras trains on floor(330 * 0.8) = 264 samples: 4 batches of 64 and one of 8.
+    model.fit(X[:330], Y[:330], validation_split=0.2, epochs=1, verbose=0,
               callbacks=[monitor])
-    assert int(model.optimizer.iterations.numpy()) == 4
+    assert int(model.optimizer.iterations.numpy()) == 5
+    assert samples_per_step(monitor) == pytest.approx(264 / 5)
+
+
+class ArrayLike:
+    """Not a NumPy array, but has `__array__` (like a pandas frame): Keras batches it."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._array = array
+        self.shape = array.shape
+
+    def __array__(self, dtype=None, copy=None):
+        return self._array if dtype is None else self._array.astype(dtype)
+
+    def __len__(self) -> int:
+        return len(self._array)
+
+
+def test_array_likes_train_at_the_global_batch_size_too(model):
+    monitor = kmk.ThroughputMonitor(warmup_steps=0)
+    model.fit(ArrayLike(X[:640]), Y[:640], epochs=1, verbose=0, callbacks=[monitor])
+    assert int(model.optimizer.iterations.numpy()) == 640 // 64  # not 640 // 32
     assert samples_per_step(monitor) == pytest.approx(64)
+
+
+def test_a_generator_batch_is_assumed_with_a_warning(model, caplog):
+    def batches():
+        for start in range(0, 640, 64):
+            yield X[start:start + 64], Y[start:start + 64]
+
+    monitor = kmk.ThroughputMonitor(warmup_steps=0)
+    with caplog.at_level("WARNING", logger="keras_mirror_kit"):
+        model.fit(batches(), epochs=1, steps_per_epoch=10, verbose=0, callbacks=[monitor])
+    assert any("cannot be read" in r.getMessage() for r in caplog.records)
 
 
 def test_a_make_dataset_last_partial_batch_is_counted_exactly(model):

@@ -1,7 +1,9 @@
 """`keras-mirror-kit launch`: how workers end, and which GPUs each one gets.
 
 - No worker outlives the launcher: SIGHUP is handled like SIGTERM, and after a SIGKILL of
-  the launcher no worker nor anything it started is alive (checked by pid).
+  the launcher no worker nor anything it started is alive (checked by pid); the watchdog
+  alone and the parent-death signal alone (the other one turned off) each kill every worker.
+- Without `os.waitid` (macOS before Python 3.13) the launcher still works.
 - A worker that exits with status 0 while the others still run is a failure of that
   worker; "stopped" names only the workers the launcher stopped.
 - `--grace` holds at a normal end too; options are never abbreviated.
@@ -59,7 +61,13 @@ JOB = textwrap.dedent(
                 sys.exit(99)
             time.sleep(0.02)
 
-    info = {"pid": os.getpid()}
+    def parent_death_signal():  # PR_GET_PDEATHSIG (Linux)
+        import ctypes
+        value = ctypes.c_int(-1)
+        ctypes.CDLL(None).prctl(2, ctypes.byref(value), 0, 0, 0)
+        return value.value
+
+    info = {"pid": os.getpid(), "pdeathsig": parent_death_signal()}
     if mode in ("hang-helper", "helper-cleans-up", "helper-ignores-term"):
         helper = subprocess.Popen([sys.executable, "-c", HELPER, out, str(rank), mode])
         info["helper_pid"] = helper.pid
@@ -165,13 +173,33 @@ def _finished(out: Path) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("sig", "form"),
-    [(signal.SIGKILL, "script"), (signal.SIGHUP, "script"), (signal.SIGKILL, "command")],
-    ids=["sigkill", "sighup", "sigkill-shell-command"],
+    ("sig", "form", "off"),
+    [
+        (signal.SIGKILL, "script", None),
+        (signal.SIGHUP, "script", None),
+        (signal.SIGKILL, "command", None),
+        (signal.SIGKILL, "script", launch.NO_PDEATHSIG_ENV),
+        (signal.SIGKILL, "command", launch.NO_PDEATHSIG_ENV),
+        (signal.SIGKILL, "script", launch.NO_WATCHDOG_ENV),
+        (signal.SIGKILL, "command", launch.NO_WATCHDOG_ENV),
+    ],
+    ids=[
+        "sigkill",
+        "sighup",
+        "sigkill-shell-command",
+        "sigkill-watchdog-alone",
+        "sigkill-shell-command-watchdog-alone",
+        "sigkill-pdeathsig-alone",
+        "sigkill-shell-command-pdeathsig-alone",
+    ],
 )
-def test_no_worker_outlives_the_launcher(tmp_path, job, out, sig, form):
+def test_no_worker_outlives_the_launcher(tmp_path, job, out, sig, form, off):
     """Each worker has a helper process; in the command form the worker is a shell whose
-    child is the real job. After the launcher gets `sig`, none of them is alive 10 s later."""
+    child is the real job. After the launcher gets `sig`, none of them is alive 10 s later.
+
+    `off` turns one of the two mechanisms off: the watchdog alone kills every worker's
+    whole process group; the parent-death signal alone kills every worker (the launcher's
+    own children), but not what they started, which the check then finds alive."""
     if form == "script":
         target = [str(job)]
     else:
@@ -179,11 +207,17 @@ def test_no_worker_outlives_the_launcher(tmp_path, job, out, sig, form):
         run_sh.write_text(f'#!/bin/sh\n"{sys.executable}" "{job}" "$@"\necho after\n')
         run_sh.chmod(0o755)
         target = ["--", str(run_sh)]
+    env = dict(os.environ)
+    env.pop(launch.NO_PDEATHSIG_ENV, None)
+    env.pop(launch.NO_WATCHDOG_ENV, None)
+    if off is not None:
+        env[off] = "1"
     stderr_path = tmp_path / "launcher.err"
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen(
             [sys.executable, str(LAUNCHER), "-n", "2", "--grace", "1", "--startup-timeout",
              "0", *target, str(out), "hang-helper"],
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=stderr,
@@ -196,23 +230,37 @@ def test_no_worker_outlives_the_launcher(tmp_path, job, out, sig, form):
             assert proc.poll() is None, stderr_path.read_text()
             assert time.monotonic() < deadline, "the workers never started"
             time.sleep(0.05)
+        children = psutil.Process(proc.pid).children()
+        workers = [p.pid for p in children if p.cmdline()[-1:] == ["hang-helper"]]
+        watchdogs = [p.pid for p in children if p.pid not in workers]
         descendants = psutil.Process(proc.pid).children(recursive=True)
         pids = sorted({p.pid for p in descendants} | set(_recorded(out)))
         # 2 workers and 2 helpers (+ 2 shells in the command form) and the watchdog
         assert len(_recorded(out)) == 4 and len(pids) >= (4 if form == "script" else 6)
+        assert len(workers) == 2 and len(watchdogs) == (0 if off == launch.NO_WATCHDOG_ENV else 1)
+        infos = [json.loads(p.read_text()) for p in sorted(out.glob("pids-*.json"))]
+        if form == "script":  # the job is the worker: it carries the parent-death signal
+            expected = 0 if off == launch.NO_PDEATHSIG_ENV else signal.SIGKILL
+            assert [info["pdeathsig"] for info in infos] == [expected, expected]
         proc.send_signal(sig)
         proc.wait(timeout=120)
+        # Only the workers when the parent-death signal acts alone (no watchdog).
+        reaped = workers if off == launch.NO_WATCHDOG_ENV else pids
         deadline = time.monotonic() + 10  # the issue's bound, measured from the launcher's end
-        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        while any(_alive(pid) for pid in reaped) and time.monotonic() < deadline:
             time.sleep(0.05)
-        left = [pid for pid in pids if _alive(pid)]
+        left = [pid for pid in reaped if _alive(pid)]
+        survivors = [pid for pid in pids if _alive(pid)]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         _kill([*pids, *_recorded(out)])
     assert not left, f"alive 10 s after the launcher's {sig.name}: {left}"
-    assert _finished(out) == []
+    if off == launch.NO_WATCHDOG_ENV:  # the watchdog is really off: the helpers outlive it
+        assert sorted(survivors) == sorted(set(pids) - set(workers)), survivors
+    else:
+        assert _finished(out) == []
     if sig == signal.SIGHUP:  # stopped like SIGTERM, with the launcher's own exit
         err = stderr_path.read_text()
         assert proc.returncode == 128 + signal.SIGHUP, err
@@ -227,6 +275,27 @@ def test_sighup_is_left_alone_under_nohup(job, out):
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+@pytest.mark.parametrize("mode", ["ok", "early"])
+def test_without_os_waitid_the_launcher_polls(monkeypatch, capsys, job, out, mode):
+    """As on macOS before Python 3.13 (no os.waitid, WNOWAIT, CLD_EXITED): a normal end
+    and a worker that leaves early are handled as with them, with no AttributeError."""
+    for name in ("waitid", "WNOWAIT", "CLD_EXITED"):
+        monkeypatch.delattr(os, name, raising=False)
+    code = launch.main(
+        ["-n", "2", "--startup-timeout", "0", "--finish-window", "1", "--grace", "1",
+         str(job), str(out), mode]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    if mode == "ok":
+        assert code == 0, err
+    else:
+        assert code == launch.EXIT_FAILED, err
+        assert "exited with status 0 while worker 0 still ran" in err
+        assert "; stopped worker 0" in err and "FAILED: worker 1 left early" in err
+    assert len(_recorded(out)) == 2 and _finished(out) == []
+    _assert_none_left(_recorded(out))
 
 
 # -- B: a worker that exits 0 while the others still run ------------------------------------

@@ -21,6 +21,7 @@ import tensorflow as tf
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
 from keras_mirror_kit.checkpoint_store import CheckpointError, CorruptCheckpointWarning
 from tests.ckpt_helpers import CountBatches, StopAt, build, data, dataset, max_diff
+from tests.subproc import last_json, run_python
 
 
 def plain_dataset():
@@ -190,8 +191,14 @@ def test_random_layers_resume_mid_epoch_to_the_uninterrupted_weights(tmp_path):
 
 @pytest.mark.parametrize(
     ("change", "why"),
-    [({"n": 112}, "112 samples now but held 96"), ({"seed": 12}, "seed 12 differs")],
-    ids=["16-more-samples", "another-seed"],
+    [
+        ({"n": 112}, "112 samples now but held 96"),
+        # 100 samples still make 6 batches of 16 (drop_remainder): another permutation of
+        # the same number of batches; resumed mid-epoch with no warning before the fix.
+        ({"n": 100}, "100 samples now but held 96"),
+        ({"seed": 12}, "seed 12 differs"),
+    ],
+    ids=["16-more-samples", "4-more-samples", "another-seed"],
 )
 def test_changed_data_resumes_from_the_epoch_boundary_with_a_warning(
     crashed_mid_epoch, tmp_path, caplog, change, why
@@ -228,8 +235,12 @@ def test_fit_on_another_dataset_than_the_one_given_is_refused_before_any_step(tm
     given, trained = dataset(), dataset()  # two calls of the same builder
     model, counter = build("sgd"), CountBatches()
     with pytest.raises(ValueError, match="given another kmk.make_dataset object"):
-        model.fit(trained.prefetch(1), epochs=2, verbose=0, callbacks=[
-            SyncedCheckpoint(tmp_path, save_freq=1, dataset=given), counter])
+        model.fit(
+            trained.prefetch(1),
+            epochs=2,
+            verbose=0,
+            callbacks=[SyncedCheckpoint(tmp_path, save_freq=1, dataset=given), counter],
+        )
     assert counter.batches == 0 and int(model.optimizer.iterations.numpy()) == 0
     assert npz_files(tmp_path) == []
 
@@ -240,8 +251,12 @@ def test_fit_of_a_model_the_kit_did_not_build_on_another_dataset_is_refused(tmp_
     plain = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
     plain.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(ValueError, match="the dataset given was never read"):
-        plain.fit(trained, epochs=2, verbose=0,
-                  callbacks=[SyncedCheckpoint(tmp_path, save_freq=1, dataset=given)])
+        plain.fit(
+            trained,
+            epochs=2,
+            verbose=0,
+            callbacks=[SyncedCheckpoint(tmp_path, save_freq=1, dataset=given)],
+        )
     assert npz_files(tmp_path) == []  # refused at the first batch end, before any save
 
 
@@ -264,6 +279,72 @@ def test_a_rerun_two_stage_script_continues_each_fit_from_the_newest_checkpoint(
     two_stages(fresh, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds), counter])
     assert counter.batches == 6  # epoch 3 only: stage 1 trains nothing, stage 2 resumes
     assert int(fresh.optimizer.iterations.numpy()) == 24
+    assert max_diff(reference, fresh.get_weights()) <= 1e-6
+
+
+def test_stage_two_rerun_alone_resumes_its_own_checkpoint(tmp_path, caplog):
+    """Stage 1 commented out (or a notebook cell after a restart): stage 2 is fit #0 now."""
+    model, ds = build("sgd"), dataset()
+    two_stages(model, ds, [SyncedCheckpoint(tmp_path / "ref", dataset=ds)])
+    reference = model.get_weights()
+    model, ds = build("sgd"), dataset()
+    with pytest.raises(KeyboardInterrupt):  # crash in stage 2, epoch 3
+        two_stages(model, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds), StopAt(3, 2)])
+    other = copy_of(tmp_path / "run", tmp_path / "other")
+    caplog.set_level(logging.WARNING, logger="keras_mirror_kit")
+    fresh, ds, counter = build("sgd", seed=99), dataset(), CountBatches()
+    checkpoint = SyncedCheckpoint(tmp_path / "run", dataset=ds)
+    fresh.fit(ds, epochs=4, initial_epoch=2, verbose=0, callbacks=[checkpoint, counter])
+    assert counter.batches == 6  # epoch 3; 0 (taken as finished) before the fix
+    assert int(fresh.optimizer.iterations.numpy()) == 24
+    assert max_diff(reference, fresh.get_weights()) <= 1e-6
+    # Its saves go on under the stage's number: a rerun of the whole script finds them.
+    assert checkpoint.last_restored.meta["fit_index"] == 1
+    entries = json.loads((tmp_path / "run" / "manifest.json").read_text())["checkpoints"]
+    assert entries[-1]["fit_index"] == 1 and entries[-1]["epoch"] == 4
+    # Another epochs: still counted as finished, but said at WARNING, with what happens.
+    caplog.clear()
+    fresh, counter = build("sgd", seed=99), CountBatches()
+    fresh.fit(
+        ds,
+        epochs=5,
+        initial_epoch=2,
+        verbose=0,
+        callbacks=[SyncedCheckpoint(other, dataset=ds), counter],
+    )
+    assert counter.batches == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("epochs=4, at epoch 3" in m and "trains nothing" in m for m in warned), warned
+
+
+def test_a_full_rerun_of_stages_with_equal_epochs_goes_stage_by_stage(tmp_path):
+    """Both stages fit(epochs=2) (e.g. frozen, then fine-tuning): after a crash in stage 2
+    the full rerun must not let stage 1 take stage 2's checkpoint as its own."""
+
+    def stages(model, ds, callbacks):
+        model.fit(ds, epochs=2, verbose=0, callbacks=callbacks)
+        model.fit(ds, epochs=2, verbose=0, callbacks=callbacks)
+
+    model, ds = build("sgd"), dataset()
+    stages(model, ds, [SyncedCheckpoint(tmp_path / "ref", dataset=ds)])
+    reference = model.get_weights()
+    class CrashInStageTwo(StopAt):
+        fits = 0
+
+        def on_train_begin(self, logs=None):
+            self.fits += 1
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.fits == 2:
+                super().on_train_batch_end(batch, logs)
+
+    model, ds = build("sgd"), dataset()
+    with pytest.raises(KeyboardInterrupt):  # crash in stage 2, its epoch 1
+        stages(model, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds),
+                           CrashInStageTwo(1, 2)])
+    fresh, ds, counter = build("sgd", seed=99), dataset(), CountBatches()
+    stages(fresh, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds), counter])
+    assert counter.batches == 6  # stage 2's epoch 1 again, from its boundary; nothing else
     assert max_diff(reference, fresh.get_weights()) <= 1e-6
 
 
@@ -378,6 +459,73 @@ def test_a_lost_manifest_is_rebuilt_from_the_files_before_pruning(tmp_path, plai
     assert batches == 12  # epochs 2 and 3; 24 (from scratch) before the fix
     assert checkpoint.last_restored.meta["epoch"] == 2
     assert max_diff(plain_reference, model.get_weights()) <= 1e-6
+
+
+def test_retention_keeps_an_epoch_boundary_among_mid_epoch_resume_points(tmp_path):
+    """keep=1, save_freq=1, dataset=: mid-epoch saves fill the resume points."""
+    model, ds = build("sgd"), dataset()
+    with pytest.raises(KeyboardInterrupt):  # after the saves at batches 1, 2, 3 of epoch 2
+        model.fit(
+            ds,
+            epochs=3,
+            verbose=0,
+            callbacks=[SyncedCheckpoint(tmp_path, save_freq=1, keep=1, dataset=ds), StopAt(2, 2)],
+        )
+    entries = json.loads((tmp_path / "manifest.json").read_text())["checkpoints"]
+    assert [(e["epoch"], e["step"], e["epoch_end"]) for e in entries][-3:] == [
+        (2, 1, False),
+        (2, 2, False),
+        (2, 3, False),
+    ]
+    assert [(e["epoch"], e["epoch_end"]) for e in entries if e["epoch_end"]] == [(2, True)]
+    # The data changed (16 more samples): no mid-epoch resume, the epoch boundary is used.
+    ds, counter = dataset(n=112), CountBatches()
+    checkpoint = SyncedCheckpoint(tmp_path, save_freq=1, keep=1, dataset=ds)
+    build("sgd", seed=99).fit(ds, epochs=3, verbose=0, callbacks=[checkpoint, counter])
+    restored = checkpoint.last_restored.meta
+    assert (restored["epoch"], restored["step"], restored["epoch_end"]) == (2, 0, True)
+    assert counter.batches == 7  # epoch 2 of 7 batches; 21 (from scratch) before the fix
+
+
+# -- hand-driven loops and Keras' private layout ------------------------------------------
+
+
+def test_a_hand_driven_loop_says_the_callback_runs_unhooked(tmp_path, caplog):
+    model, ds = build("sgd"), dataset()
+    checkpoint = SyncedCheckpoint(tmp_path, dataset=ds)
+    checkpoint.set_model(model)
+    caplog.set_level(logging.DEBUG, logger="keras_mirror_kit")
+    checkpoint.on_train_begin()  # no CallbackList drives it
+    assert any("runs unhooked" in r.getMessage() for r in caplog.records)
+
+
+def test_keras_private_layout_change_does_not_break_the_import():
+    proc = run_python(
+        """
+        import json, logging, sys
+        import keras
+        import keras.src.backend.common as common
+
+        keras.random.normal((2,))  # creates Keras' global seed generator
+        sys.modules["keras.src.backend.common.global_state"] = None  # the module moved
+        del common.global_state
+        import keras_mirror_kit
+        from keras_mirror_kit.callbacks.synced_checkpoint.state import state_arrays
+
+        records = []
+        handler = logging.Handler(logging.DEBUG)
+        handler.emit = records.append
+        logger = logging.getLogger("keras_mirror_kit")
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+        arrays, _ = state_arrays([], [])
+        state_arrays([], [])
+        lines = [r.getMessage() for r in records if "global random state" in r.getMessage()]
+        print("RESULT " + json.dumps({"keys": sorted(arrays), "lines": len(lines)}))
+        """,
+        timeout=240,
+    )
+    assert last_json(proc) == {"keys": [], "lines": 1}
 
 
 # -- rough edge: a changed learning rate at resume -----------------------------------------

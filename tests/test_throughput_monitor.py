@@ -274,7 +274,7 @@ def test_model_not_built_by_the_kit_with_arguments():
 def test_arguments_contradicting_the_distribution(kwargs, match):
     model = build()
     counter = CountBatches()
-    with pytest.raises(ValueError, match=f"contradicts the model's distribution.*{match}"):
+    with pytest.raises(ValueError, match=rf"contradicts this fit\(\) of a model built.*{match}"):
         model.fit(
             X,
             Y,

@@ -206,9 +206,9 @@ class ThroughputMonitor(keras.callbacks.Callback):
             ):
                 if given is not None and given != actual:
                     raise ValueError(
-                        f"ThroughputMonitor: `{arg}` contradicts the model's distribution "
-                        f"({dist!r}), which has {arg}={actual}. Drop the argument (it is "
-                        f"read from the distribution) or fix it. Received: {arg}={given}"
+                        f"ThroughputMonitor: `{arg}` contradicts this fit() of a model built "
+                        f"by kmk.distributed() ({dist!r}), which uses {arg}={actual}. Drop "
+                        f"the argument (the kit knows it) or fix it. Received: {arg}={given}"
                     )
             return batch, dist.num_replicas, dist.num_workers
         if self._global_batch_size is None:
@@ -231,6 +231,14 @@ class ThroughputMonitor(keras.callbacks.Callback):
         plan = batch_plan(self.model)
         steps = (self.params or {}).get("steps")
         self._short_last_batch = (plan.last_batch_size(steps) if plan else None) or 0
+        if plan is not None and not plan.known and self._global_batch_size is None:
+            logger.warning(
+                "ThroughputMonitor: the batch size of this fit's data cannot be read (a "
+                "generator, a PyDataset or a tf.data pipeline that unbatches or rebatches), "
+                "so the figures assume the global batch size, %d samples per step. Batch "
+                "with kmk.make_dataset or Dataset.batch(global_batch_size) for exact figures.",
+                global_batch_size,
+            )
         self._is_chief = is_chief(self.model)
         self._meter = ThroughputMeter(
             global_batch_size,

@@ -44,8 +44,11 @@ __all__ = ["SyncedCheckpoint"]
 
 logger = logging.getLogger("keras_mirror_kit")
 
-# Weak map model -> {checkpoint directory: fits of that model completed on it}.
-_COMPLETED_FITS: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+# Weak map model -> {checkpoint directory: `epochs` of each fit() of that model completed on
+# it, in order}; its length is the number of the next fit().
+_COMPLETED_FITS: weakref.WeakKeyDictionary[Any, dict[str, list[int | None]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class SyncedCheckpoint(keras.callbacks.Callback):
@@ -68,7 +71,9 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     before any step. Then every `fit` of a rerun script continues from the newest
     checkpoint: a `fit` that had finished in the earlier run (a later `fit` wrote the
     checkpoint, or this one was stopped early with the same `epochs`) restores the state
-    and trains nothing; the `fit` that was running resumes where it stopped. A corrupt
+    and trains nothing (a WARNING when a later `fit` wrote it; one with the same `epochs`
+    that had not finished is resumed as this `fit`'s own, for a stage rerun alone); the
+    `fit` that was running resumes where it stopped. A corrupt
     newest checkpoint is reported with a warning and the previous good one is used. The
     checkpoint may come from a run with another replica count.
 
@@ -218,7 +223,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._detach()
         self._reset_run_state()
         check_callback_model(self.model, "SyncedCheckpoint")
-        self._fit_index = _COMPLETED_FITS.get(self.model, {}).get(self._fits_key(), 0)
+        self._fit_history = list(_COMPLETED_FITS.get(self.model, {}).get(self._fits_key(), []))
+        self._fit_index = len(self._fit_history)
         self._attach(find_callback_list(self))
         self._is_chief = is_chief(self.model)
         # Mid-epoch checkpoints are resume points for this run only when it can resume from
@@ -308,7 +314,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                 # weights back: the final state is what a rerun must find.
                 self._save(epoch=epoch, step=step, epoch_end=epoch_end, stopped=stopped)
         fits = _COMPLETED_FITS.setdefault(self.model, {})
-        fits[self._fits_key()] = self._fit_index + 1
+        fits[self._fits_key()] = [*self._fit_history, self._epochs()]
         self._resume_epoch = None
         self._resume_skip = 0
         self._detach()
@@ -318,6 +324,11 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     def _attach(self, callback_list: Any) -> None:
         """Finds the stateful callbacks and places the hooks (and itself after them)."""
         if callback_list is None:
+            logger.debug(
+                "keras-mirror-kit: SyncedCheckpoint found no CallbackList (a hand-driven "
+                "loop) and runs unhooked: other callbacks' states are not saved, and the "
+                "end of a resumed epoch is requested at its own position in the list"
+            )
             return
         placement = place(self, callback_list)
         self._tracked, self._head, self._tail = placement.tracked, placement.head, placement.tail
@@ -407,7 +418,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             "global_step": global_step,
             "state": "variables",  # model.variables (v1 files hold model.weights)
             "fit_index": self._fit_index,
-            "fit_epochs": self.params.get("epochs") if self.params else None,
+            "fit_epochs": self._epochs(),
+            # `epochs` of every fit() of the script so far: tells a full rerun of the script
+            # from a rerun of one later stage alone (see resume.restore_latest).
+            "script_fit_epochs": [*self._fit_history, self._epochs()],
             "stopped": bool(stopped),
             "finite": not bad,
             "num_replicas": int(self.model.distribute_strategy.num_replicas_in_sync),
@@ -417,6 +431,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         }
         path = self._store.write(arrays, meta)
         logger.debug("keras-mirror-kit: wrote %s (epoch %d, step %d)", path, epoch, step)
+
+    def _epochs(self) -> int | None:
+        epochs = self.params.get("epochs") if self.params else None
+        return int(epochs) if epochs is not None else None
 
     def _restore(self) -> None:
         """Restores the newest usable checkpoint and records where this fit() goes on."""
@@ -433,3 +451,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self.model._initial_epoch = resume.initial_epoch  # noqa: SLF001
         self._resume_epoch, self._resume_skip = resume.epoch, resume.skip
         self._pending_states = resume.callback_states
+        if resume.fit_index is not None:  # a later stage rerun alone: its number from now on
+            self._fit_index = resume.fit_index
+            history = (resume.restored.meta if resume.restored else {}).get("script_fit_epochs")
+            self._fit_history = list(history or [None] * resume.fit_index)[: resume.fit_index]

@@ -36,6 +36,9 @@ class Resume(NamedTuple):
         skip: Batches of that epoch already trained (0: the epoch starts at its beginning).
         callback_states: The saved callback states and the checkpoint's arrays, to give the
             other callbacks before the first epoch, or None.
+        fit_index: The number the starting `fit()` takes as its own, when it resumes the
+            unfinished checkpoint of a later `fit()` with the same `epochs` (a rerun of
+            that stage alone), else None.
 
     Example:
 
@@ -51,6 +54,7 @@ class Resume(NamedTuple):
     epoch: int | None = None
     skip: int = 0
     callback_states: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None
+    fit_index: int | None = None
 
 
 def restore_latest(
@@ -66,8 +70,11 @@ def restore_latest(
     """Restores the newest usable checkpoint into `model` and says where the `fit()` goes on.
 
     A checkpoint written by an earlier `fit()` of the script is left alone (the model went
-    on from it). One written by a later `fit()`, or by this one when it had been stopped
-    with the same `epochs`, is restored and the `fit()` trains nothing. Otherwise the `fit()`
+    on from it). One written by a later `fit()` with the same `epochs` that had not
+    finished is taken as this `fit()`'s own (that stage rerun alone). One written by
+    another later `fit()`, or by this one when it had been stopped with the same `epochs`,
+    is restored and the `fit()` trains nothing (a WARNING for a later `fit()`). Otherwise
+    the `fit()`
     resumes where the checkpoint was written: mid-epoch when `mid_epoch_skip` allows it,
     else from the newest checkpoint written at an epoch boundary. The cursor adopts the
     checkpoint's data seed when the dataset's seed was drawn at random.
@@ -111,7 +118,22 @@ def restore_latest(
     if written_by < k:
         # An earlier fit() of this process wrote it, and the model went on from there.
         return Resume()
-    if written_by > k or (
+    if written_by > k and _unfinished_with(meta, epochs) and not _same_fit(meta, k, epochs):
+        # The stage that wrote it is rerun alone (earlier fit() calls commented out, a
+        # notebook cell after a kernel restart): it is this fit()'s own checkpoint.
+        logger.warning(
+            "keras-mirror-kit: the newest checkpoint %s was written by fit() number %d of "
+            "the script (epochs=%s, stopped at epoch %s, unfinished), but this is fit() "
+            "number %d of the process; with the same epochs, this fit() takes it as its "
+            "own and resumes it",
+            newest.path,
+            written_by + 1,
+            meta.get("fit_epochs"),
+            meta.get("epoch"),
+            k + 1,
+        )
+        k = written_by
+    elif written_by > k or (
         meta.get("stopped") and meta.get("fit_epochs") == epochs and epochs is not None
     ):
         return _restore_finished(model, newest, written_by > k, epochs, directory)
@@ -156,7 +178,7 @@ def restore_latest(
             "starts at its own first epoch",
             loaded.path,
         )
-        return Resume(restored=loaded)
+        return Resume(restored=loaded, fit_index=k if k != fit_index else None)
     _adopt_seed(cursor, meta)
     logger.info(
         "keras-mirror-kit: resumed from %s (epoch %d, batch %d, saved with %s replica(s))",
@@ -171,7 +193,26 @@ def restore_latest(
         epoch=epoch if skip else None,
         skip=skip,
         callback_states=(meta.get("callbacks") or {}, loaded.arrays),
+        fit_index=k if k != fit_index else None,
     )
+
+
+def _same_fit(meta: dict[str, Any], k: int, epochs: int | None) -> bool:
+    """Whether fit() number `k` of the script that wrote `meta` had these `epochs` too.
+
+    Then this fit() may be that one in a full rerun of the script, and taking a later
+    stage's checkpoint as its own would be wrong: the rerun goes stage by stage instead.
+    """
+    history = meta.get("script_fit_epochs")
+    return isinstance(history, list) and k < len(history) and history[k] == epochs
+
+
+def _unfinished_with(meta: dict[str, Any], epochs: int | None) -> bool:
+    """Whether a checkpoint's fit() had the given `epochs` and neither ended nor was stopped."""
+    fit_epochs = meta.get("fit_epochs")
+    if epochs is None or fit_epochs is None or int(fit_epochs) != int(epochs):
+        return False
+    return not meta.get("stopped") and int(meta.get("epoch", 0)) < int(fit_epochs)
 
 
 def _restore_finished(
@@ -196,15 +237,29 @@ def _restore_finished(
         )
     else:
         restored = loaded
+    meta = loaded.meta
     if later_fit:
-        why = f"a later fit() of this script (number {int(loaded.meta['fit_index']) + 1})"
-        why = f"this fit() had finished: {why} wrote the newest checkpoint"
-    else:
-        why = (
-            f"this fit() had been stopped at epoch {loaded.meta.get('epoch')} "
-            f"(epochs={loaded.meta.get('fit_epochs')}) by a callback's request"
+        # Expected when the whole script reruns; a surprise when this fit() runs alone.
+        logger.warning(
+            "keras-mirror-kit: the newest checkpoint %s was written by a later fit() of the "
+            "script (number %d, epochs=%s, at epoch %s), so this fit() (epochs=%s) counts "
+            "as finished: its state is %s and it trains nothing. If this fit() was meant "
+            "to train (a stage rerun alone with other epochs, or a new run), use a new "
+            "checkpoint directory",
+            loaded.path,
+            int(meta["fit_index"]) + 1,
+            meta.get("fit_epochs"),
+            meta.get("epoch"),
+            epochs,
+            "restored" if restored is not None else "left for that later fit()",
         )
-    logger.info("keras-mirror-kit: %s; training nothing", why)
+    else:
+        logger.info(
+            "keras-mirror-kit: this fit() had been stopped at epoch %s (epochs=%s) by a "
+            "callback's request; training nothing",
+            meta.get("epoch"),
+            meta.get("fit_epochs"),
+        )
     return Resume(restored=restored, initial_epoch=max(int(epochs or 0), 1))
 
 
@@ -249,8 +304,9 @@ def data_description(
         epoch_length: Batches per epoch, or None when unknown.
 
     Returns:
-        The metadata entries `global_batch_size`, `epoch_length`, `steps_per_execution`
-        and `data_seed`, in that order.
+        The metadata entries `global_batch_size`, `epoch_length`, `steps_per_execution`,
+        `data_seed` and `data_samples` (the samples the epoch's order permutes), in that
+        order.
 
     Example:
 
@@ -263,6 +319,7 @@ def data_description(
         "epoch_length": epoch_length,
         "steps_per_execution": _steps_per_execution(model),
         "data_seed": cursor.seed if cursor is not None else None,
+        "data_samples": cursor.num_samples if cursor is not None else None,
     }
 
 
@@ -279,8 +336,8 @@ def mid_epoch_skip(meta: dict[str, Any], cursor: DatasetCursor | None, model: An
 
     Returns:
         The number of batches to skip, or the reason as a string; a reason starting with
-        `"!"` means the data no longer matches the checkpoint (another epoch length or
-        seed).
+        `"!"` means the data no longer matches the checkpoint (another number of samples,
+        epoch length or seed).
 
     Example:
 
@@ -299,6 +356,12 @@ def mid_epoch_skip(meta: dict[str, Any], cursor: DatasetCursor | None, model: An
     step, saved_batch = int(meta["step"]), meta.get("global_batch_size")
     saved_length = meta.get("epoch_length")
     batch = _global_batch_size(model)
+    saved_samples, samples = meta.get("data_samples"), cursor.num_samples
+    if saved_samples is not None and samples is not None and int(saved_samples) != samples:
+        # Fewer samples than a batch apart give the same batches, but another permutation.
+        return (
+            f"!the dataset holds {samples} samples now but held {int(saved_samples)} at save time"
+        )
     if saved_length is not None:
         if saved_batch is not None and batch is not None:
             before, now = int(saved_length) * int(saved_batch), cursor.num_batches * batch

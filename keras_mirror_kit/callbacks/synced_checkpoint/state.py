@@ -8,7 +8,6 @@ import re
 from typing import Any
 
 import numpy as np
-from keras.src.backend.common import global_state
 
 from keras_mirror_kit.checkpoint_store import CheckpointError, LoadedCheckpoint
 
@@ -18,10 +17,23 @@ logger = logging.getLogger("keras_mirror_kit")
 
 # Auto-numbering Keras adds to layer, model and optimizer names ("dense_3", "sequential_1").
 _NAME_NUMBER = re.compile(r"_\d+(?=$|/|_)")
+# One debug line per process when Keras' private module layout moved.
+_KERAS_LAYOUT_LOGGED: list[bool] = []
 
 
 def _normalized(path: str) -> str:
     return _NAME_NUMBER.sub("", path)
+
+
+def _skip_global_random(err: ImportError) -> None:
+    """Logs once that Keras' global random state (private modules) is not saved or restored."""
+    if not _KERAS_LAYOUT_LOGGED:
+        _KERAS_LAYOUT_LOGGED.append(True)
+        logger.debug(
+            "keras-mirror-kit: Keras' global random state is not saved or restored (its "
+            "private module moved: %s)",
+            err,
+        )
 
 
 def state_variables(model: Any, legacy: bool = False) -> list[tuple[str, Any]]:
@@ -135,6 +147,11 @@ def state_arrays(
     for i, ((group, variable), value) in enumerate(zip(named, values)):
         arrays[f"{group}/{i:05d}"] = value
         paths.append(f"{group}:{variable.path}")
+    try:  # private Keras: a layout change must only lose this part of the state
+        from keras.src.backend.common import global_state
+    except ImportError as err:
+        _skip_global_random(err)
+        return arrays, paths
     global_seed = global_state.get_global_attribute("global_seed_generator")
     if global_seed is not None:
         arrays["random/global"] = np.asarray(global_seed.state.numpy())
@@ -208,9 +225,12 @@ def apply_state(model: Any, loaded: LoadedCheckpoint, directory: str | os.PathLi
     for key, (_, variable) in zip(keys, named):
         variable.assign(loaded.arrays[key])
     if "random/global" in loaded.arrays:
-        from keras.src.random.seed_generator import global_seed_generator
-
-        global_seed_generator().state.assign(loaded.arrays["random/global"])
+        try:
+            from keras.src.random.seed_generator import global_seed_generator
+        except ImportError as err:
+            _skip_global_random(err)
+        else:
+            global_seed_generator().state.assign(loaded.arrays["random/global"])
 
 
 def _log_learning_rate_change(
