@@ -1102,8 +1102,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-            # SIGHUP: a closed terminal or a dropped SSH session (unless ignored: nohup).
-            if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
+            # SIGHUP: a closed terminal or a dropped SSH session, unless ignored (nohup).
+            # SIGINT and SIGTERM are always handled: a shell starts background jobs with
+            # SIGINT ignored, and a signal sent to the launcher must still stop it.
+            sighup = sig is not None and sig == getattr(signal, "SIGHUP", None)
+            if sig is not None and not (sighup and signal.getsignal(sig) is signal.SIG_IGN):
                 previous[sig] = signal.signal(sig, on_signal)
     try:
         try:

@@ -614,14 +614,21 @@ def test_launch_one_worker(capsys, script, tmp_path):
     assert "[worker 0] index=0 rank=0 world=1" in capsys.readouterr().out
 
 
-def test_launch_forwards_ctrl_c(script, tmp_path):
-    # The launcher file runs alone (it imports only the standard library).
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_launch_forwards_ctrl_c(script, tmp_path, inherited):
+    # The launcher file runs alone (it imports only the standard library). "ignored": a shell
+    # starts background jobs with SIGINT ignored; a SIGINT sent to the launcher still counts.
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "keras_mirror_kit" / "launch.py"), "-n", "2", "--grace",
          "1", str(script), str(tmp_path), "hang"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_ignore_sigint if inherited == "ignored" else None,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 240  # bounds a stuck start; the test waits for progress
