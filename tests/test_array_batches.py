@@ -14,7 +14,7 @@ X = RNG.normal(size=(2560, 6)).astype("float32")
 Y = (X[:, 0] > 0).astype("int32")
 
 
-class TestBatches(keras.callbacks.Callback):
+class EvaluatedBatches(keras.callbacks.Callback):
     def __init__(self) -> None:
         super().__init__()
         self.test_batches = 0
@@ -42,7 +42,7 @@ def test_arrays_without_batch_size_train_at_the_global_batch_size(model):
     model.fit(X, Y, epochs=1, verbose=0, callbacks=[monitor])
     assert int(model.optimizer.iterations.numpy()) == 2560 // 64  # not 2560 // 32
     assert samples_per_step(monitor) == pytest.approx(64)
-    counter = TestBatches()
+    counter = EvaluatedBatches()
     model.evaluate(X, Y, verbose=0, callbacks=[counter])
     assert counter.test_batches == 2560 // 64
     assert len(model.predict(X[:200], verbose=0)) == 200

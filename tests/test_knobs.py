@@ -198,7 +198,7 @@ def test_steps_per_epoch_that_keras_would_round_up_is_rejected_before_training()
     assert int(model.optimizer.iterations.numpy()) == 24
 
 
-class TestSteps(keras.callbacks.Callback):
+class EvaluatedSteps(keras.callbacks.Callback):
     """Evaluation steps run, from the index Keras reports at each execution's end."""
 
     def __init__(self) -> None:
@@ -217,10 +217,10 @@ def test_keras_still_rounds_evaluation_steps_up():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse", steps_per_execution=4)
     data = tf.data.Dataset.from_tensor_slices((np.ones((40, 3)), np.ones((40, 1)))).batch(2)
-    counter = TestSteps()
+    counter = EvaluatedSteps()
     model.evaluate(data.repeat(), steps=10, verbose=0, callbacks=[counter])
     assert counter.test_batches == 12  # not 10
-    counter = TestSteps()
+    counter = EvaluatedSteps()
     model.fit(data.repeat(), steps_per_epoch=4, epochs=1, validation_data=data.repeat(),
               validation_steps=10, verbose=0, callbacks=[counter])
     assert counter.test_batches == 12  # not 10
@@ -229,7 +229,7 @@ def test_keras_still_rounds_evaluation_steps_up():
 def test_evaluation_steps_that_keras_would_round_up_are_rejected_before_any_step():
     model = spe_factory(4)()
     data = kmk.make_dataset(X, Y, 16, seed=0).repeat()
-    counter, steps = CountBatches(), TestSteps()
+    counter, steps = CountBatches(), EvaluatedSteps()
     with pytest.raises(ValueError, match="steps=10 is not a multiple") as info:
         model.evaluate(data, steps=10, verbose=0, callbacks=[counter, steps])
     assert "steps=8 or 12" in str(info.value)
