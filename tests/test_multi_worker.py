@@ -20,7 +20,6 @@ from pathlib import Path
 
 import keras
 import numpy as np
-import psutil
 import pytest
 import tensorflow as tf
 from tensorflow.python.distribute import multi_worker_util
@@ -28,6 +27,7 @@ from tensorflow.python.distribute import multi_worker_util
 import keras_mirror_kit as kmk
 from keras_mirror_kit import keras_workarounds, launch, multi_worker
 from keras_mirror_kit.multi_worker import parse_tf_config
+from tests.processes import alive, assert_none_left, kill
 from tests.subproc import last_json, run_python
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,12 +45,6 @@ def _cfg(cluster: object, task: object = None, **extra: object) -> str:
     return json.dumps(config)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
 
 def _recorded_pids(out: Path) -> list[int]:
     pids: list[int] = []
@@ -60,18 +54,6 @@ def _recorded_pids(out: Path) -> list[int]:
     return pids
 
 
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _assert_none_left(pids: list[int]) -> None:
-    left = [pid for pid in pids if _alive(pid)]
-    _kill(left)
-    assert not left, f"processes left behind: {left}"
 
 
 def _child_env(**extra: str) -> dict[str, str]:
@@ -106,7 +88,7 @@ def _launch(
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        _kill(_recorded_pids(out))
+        kill(_recorded_pids(out))
         stdout, stderr = proc.communicate(timeout=30)
         raise AssertionError(
             f"launch did not finish in {timeout} s\n{stdout[-3000:]}\n{stderr[-6000:]}"
@@ -606,7 +588,7 @@ def test_launch_stops_everyone_when_a_worker_fails(capsys, script, tmp_path):
     assert "boom: something broke" in err and "FAILED: worker 1" in err
     pids = _recorded_pids(tmp_path)
     assert len(pids) == 4  # two workers and the grandchild each started
-    _assert_none_left(pids)
+    assert_none_left(pids)
 
 
 def test_launch_one_worker(capsys, script, tmp_path):
@@ -642,8 +624,8 @@ def test_launch_forwards_ctrl_c(script, tmp_path, inherited):
             proc.kill()
             proc.communicate(timeout=30)
         pids = _recorded_pids(tmp_path)
-        left = [pid for pid in pids if _alive(pid)]
-        _kill(left)
+        left = [pid for pid in pids if alive(pid)]
+        kill(left)
     assert proc.returncode == 128 + signal.SIGINT, err
     assert "received SIGINT; stopping workers" in err
     assert len(pids) == 2 and not left and _finished(tmp_path) == []
@@ -653,7 +635,7 @@ def test_launch_kills_what_workers_leave_behind(capsys, script, tmp_path):
     assert launch.main(["-n", "2", "--grace", "1", str(script), str(tmp_path), "leave-child"]) == 0
     pids = _recorded_pids(tmp_path)
     assert len(pids) == 4
-    _assert_none_left(pids)
+    assert_none_left(pids)
 
 
 def test_launch_startup_and_overall_timeouts(capsys, script, tmp_path):
@@ -663,7 +645,7 @@ def test_launch_startup_and_overall_timeouts(capsys, script, tmp_path):
     assert code == launch.EXIT_TIMEOUT and _finished(tmp_path) == []
     err = capsys.readouterr().err
     assert "worker 0, worker 1 did not join the cluster within --startup-timeout 1 s" in err
-    _assert_none_left(_recorded_pids(tmp_path))
+    assert_none_left(_recorded_pids(tmp_path))
 
     code = launch.main(
         [
@@ -682,7 +664,7 @@ def test_launch_startup_and_overall_timeouts(capsys, script, tmp_path):
     )
     assert code == launch.EXIT_TIMEOUT and _finished(tmp_path) == []
     assert "--timeout 1 s reached; stopped worker 0, worker 1" in capsys.readouterr().err
-    _assert_none_left(_recorded_pids(tmp_path))
+    assert_none_left(_recorded_pids(tmp_path))
 
 
 # -- real multi-worker training: 2 workers on 127.0.0.1 --------------------------------------
@@ -835,7 +817,7 @@ def test_a_killed_worker_stops_the_launch_quickly(killed_run):
     assert finished_at - killed_at < 60, f"launch exited {finished_at - killed_at:.1f} s later"
     pids = _recorded_pids(out)
     assert len(pids) == 4  # 2 workers, each with a grandchild
-    _assert_none_left(pids)
+    assert_none_left(pids)
     assert not (out / "result-0.json").exists() and not (out / "result-1.json").exists()
     latest = manifest["checkpoints"][-1]
     assert (latest["epoch"], latest["step"], latest["global_step"]) == (1, 3, 11)
@@ -860,7 +842,7 @@ def test_a_worker_that_leaves_training_early_is_named(tmp_path):
     ), proc.stderr[-4000:]
     assert "stopped worker 1" not in proc.stderr and "FAILED: worker 0" not in proc.stderr
     assert not (tmp_path / "result-0.json").exists()  # worker 0 never finished training
-    _assert_none_left(_recorded_pids(tmp_path))
+    assert_none_left(_recorded_pids(tmp_path))
 
 
 @pytest.mark.timeout(600)
@@ -950,7 +932,7 @@ def test_a_peer_that_never_starts_is_bounded_by_the_startup_timeout(tmp_path):
     assert not (tmp_path / "awake-1").exists()  # stopped while still asleep
     pids = _recorded_pids(tmp_path)
     assert len(pids) == 2
-    _assert_none_left(pids)
+    assert_none_left(pids)
 
 
 @pytest.mark.timeout(300)
