@@ -47,6 +47,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_mirror_kit.keras_workarounds import keras_version_in
+
 __all__ = ["TESTED_KERAS", "UPSTREAM", "apply", "is_fixed", "status"]
 
 logger = logging.getLogger("keras_mirror_kit")
@@ -57,11 +59,6 @@ TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
 _FIXED = "_kmk_loss_scale_agrees"
 _FOLLOWS_COMPILE = "_kmk_loss_scale_follows_compile"
 _FIRST_REPLICA_FLAG = re.compile(r"experimental_local_results\(\s*finite_per_replica\s*\)\s*\[0\]")
-
-
-def _parse_version(text: str) -> tuple[int, int, int]:
-    numbers = [int(part) for part in re.findall(r"\d+", text)[:3]]
-    return tuple((numbers + [0, 0, 0])[:3])  # type: ignore[return-value]
 
 
 def _bug_in_source(optimizer_class: Any) -> bool:
@@ -94,9 +91,7 @@ def status(keras_version: str | None = None) -> str:
     status("3.15.1")  # "tested"
     ```
     """
-    version = _parse_version(keras_version or keras.__version__)
-    low, high = TESTED_KERAS
-    if low <= version < high:
+    if keras_version_in(TESTED_KERAS, keras_version):
         return "tested"
     if _bug_in_source(keras.optimizers.LossScaleOptimizer):
         return "refused"

@@ -64,6 +64,7 @@ __all__ = [
     "apply",
     "is_applied",
     "is_multi_worker",
+    "keras_version_in",
     "mode",
     "status",
 ]
@@ -98,6 +99,28 @@ def _trainer_module() -> Any:
 def _parse_version(text: str) -> tuple[int, int, int]:
     numbers = [int(part) for part in re.findall(r"\d+", text)[:3]]
     return tuple((numbers + [0, 0, 0])[:3])  # type: ignore[return-value]
+
+
+def keras_version_in(
+    tested: tuple[tuple[int, int, int], tuple[int, int, int]], keras_version: str | None = None
+) -> bool:
+    """Whether a Keras version is in a workaround's tested range `low <= version < high`.
+
+    Args:
+        tested: The `(low, high)` version triples (a module's `TESTED_KERAS`).
+        keras_version: The version to judge (default: the installed `keras.__version__`).
+
+    Returns:
+        True inside the range.
+
+    Example:
+
+    ```python
+    keras_version_in(((3, 15, 0), (3, 16, 0)), "3.15.1")  # True
+    ```
+    """
+    low, high = tested
+    return low <= _parse_version(keras_version or keras.__version__) < high
 
 
 def is_multi_worker(strategy: Any) -> bool:
@@ -187,9 +210,7 @@ def status(keras_version: str | None = None) -> str:
     status("3.15.1")  # "tested"
     ```
     """
-    version = _parse_version(keras_version or keras.__version__)
-    low, high = TESTED_KERAS
-    if low <= version < high:
+    if keras_version_in(TESTED_KERAS, keras_version):
         return "tested"
     return "fixed-upstream" if _bugs_present() is False else "untested"
 
