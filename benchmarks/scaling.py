@@ -1,6 +1,6 @@
 """Scaling: training samples/sec of the tutorial's CNN on 1 replica versus 2, fresh processes.
 
-Each run is one `keras-mirror-kit bench` (keras_mirror_kit/cli.py) process: the tutorial's
+Each run is one `keras-mirror-kit bench` (keras_mirror_kit/cli/bench.py) process: the tutorial's
 CNN, synthetic CIFAR-shaped data through `kmk.make_dataset`, `ThroughputMonitor` (3 warm-up
 steps left out), one epoch of `--steps` steps. The runs of a round go in an order that
 rotates from round to round; the figures are the median over the rounds, the spread, and

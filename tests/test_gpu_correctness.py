@@ -13,7 +13,8 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit import cli, devices
+from keras_mirror_kit import devices
+from keras_mirror_kit.cli import info as cli_info
 from keras_mirror_kit.devices import (
     choose_cross_device_ops,
     describe_gpus,
@@ -306,7 +307,7 @@ def test_info_shows_cuda_build_and_each_gpus_compute_capability(capsys):
     ]
     assert len(warnings) == 1 and warnings[0].startswith("/physical_device:GPU:0: ")
 
-    info = cli._info()  # this process: no GPU, this wheel's real build facts
+    info = cli_info.collect()  # this process: no GPU, this wheel's real build facts
     real = tf.sysconfig.get_build_info()
     assert info["cuda_build"]["is_cuda_build"] == bool(real.get("is_cuda_build"))
     assert info["cuda_build"]["cuda_compute_capabilities"] == list(
@@ -314,7 +315,7 @@ def test_info_shows_cuda_build_and_each_gpus_compute_capability(capsys):
     )
     assert info["gpu_details"] == [] and info["warnings"] == []
     info.update(cuda_build=build, gpu_details=rows, warnings=warnings)
-    cli._print_info(info)
+    cli_info.print_table(info)
     out = capsys.readouterr().out
     assert "CUDA build       CUDA 12.5.1, cuDNN 9, kernels for sm_60, sm_70" in out
     assert "/physical_device:GPU:0: NVIDIA H200, compute capability 9.0 (kernels: ptx-jit)" in out
