@@ -18,6 +18,9 @@ The checks:
    run's (TensorFlow's op determinism on).
 4. `float16`: one float16 overflow on replica 1 only: the step is skipped on every replica
    and the loss scale halved (`keras_mirror_kit.keras_loss_scale`).
+4b. `preprocess`: `make_dataset(..., preprocess=kmk.rescale())` on every replica (the
+   default for kit-built models) against `preprocess_on="host"`: the same weights, the
+   bytes per step copied to the devices (uint8 against float32), and the step times.
 5. `launch`: `keras-mirror-kit launch -n 2` with one GPU per worker (needs 2 GPUs).
 6. `scaling`: samples/s on 1 GPU and on 2, and the scaling efficiency (needs 2 GPUs).
 
@@ -140,6 +143,43 @@ CHECKS: dict[str, tuple[int, str]] = {
         skipped = int(model.optimizer.iterations.numpy()) == 0
         result(ok=finite and skipped and scale == 2.0**14,
                detail=f"step skipped={skipped}, weights finite={finite}, loss scale {scale:g}")
+        """,
+    ),
+    "preprocess": (
+        0,
+        """
+        tf.config.experimental.enable_op_determinism()  # GPU convolutions: same sums
+        from keras_mirror_kit.data import replica_variant
+        n = 4096 if GPUS else 512
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, 256, size=(n, 32, 32, 3), dtype=np.uint8)
+        y = rng.integers(0, 10, size=(n,), dtype=np.uint8)
+        rows = {}
+        for on in ("host", "auto"):
+            @kmk.distributed(per_replica_batch_size=32)
+            def factory():
+                keras.utils.set_random_seed(0)
+                model = kmk.models.tutorial_cnn()
+                model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+                return model
+            model, dist = factory(), factory.distribution
+            ds = kmk.make_dataset(x, y, dist.global_batch_size, seed=0,
+                                  preprocess=kmk.rescale(), preprocess_on=on)
+            fed = replica_variant(ds).dataset() if on == "auto" else ds
+            element = next(iter(dist.strategy.experimental_distribute_dataset(fed)))
+            nbytes = sum(int(np.prod(t.shape)) * t.dtype.size
+                         for leaf in tf.nest.flatten(element)
+                         for t in dist.strategy.experimental_local_results(leaf))
+            model.fit(ds, epochs=1, verbose=0)  # traces the step
+            monitor = kmk.ThroughputMonitor(warmup_steps=3)
+            model.fit(ds, epochs=2, verbose=0, callbacks=[monitor])
+            rows[on] = (model.get_weights(), nbytes, monitor.last["step_time_ms"])
+        gap = max(float(np.max(np.abs(a - b))) for a, b in zip(rows["host"][0], rows["auto"][0]))
+        ok = gap <= 1e-6 and rows["auto"][1] < rows["host"][1]
+        result(ok=ok, detail=f"weights within {gap:.1e} of host preprocessing; bytes/step to "
+               f"devices {rows['host'][1]} -> {rows['auto'][1]} "
+               f"({rows['auto'][1] / rows['host'][1]:.2f}x); step time "
+               f"{rows['host'][2]:.1f} -> {rows['auto'][2]:.1f} ms")
         """,
     ),
     "launch": (

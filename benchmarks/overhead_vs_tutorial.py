@@ -109,17 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     x_train, y_train = x_all[:n], y_all[:n]
 
     # The tutorial, as written (with the 2 logical CPUs standing in for 2 GPUs).
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-    strategy = tf.distribute.MirroredStrategy(devices=devices)
-    x_float = x_train / 255.0
-    train_dataset = tf.data.Dataset.from_tensor_slices((x_float, y_train))
-    train_dataset = train_dataset.shuffle(10000).batch(PER_REPLICA_BATCH * REPLICAS)
-    train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
-    with strategy.scope():
-        plain_model = kmk.models.tutorial_cnn()
-        plain_model.compile(
-            optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"]
-        )
+    plain_model, train_dist_dataset = tutorial_job(x_train, y_train)
 
     # The kit.
     @kmk.distributed(per_replica_batch_size=PER_REPLICA_BATCH)
@@ -237,6 +227,33 @@ def main(argv: list[str] | None = None) -> int:
         )
     say(f"overall: {'PASS' if all(verdicts) else 'FAIL'}")
     return 0
+
+
+def tutorial_job(x_train: Any, y_train: Any) -> tuple[Any, Any]:
+    """The tutorial's code as written: its model and distributed dataset, on the logical CPUs.
+
+    `MirroredStrategy` over every logical CPU (standing in for the GPUs it would find),
+    `x_train / 255.0`, `from_tensor_slices(...).shuffle(10000).batch(64 x replicas)`,
+    `experimental_distribute_dataset`, the tutorial CNN compiled with Adam in the scope.
+    Also used by `benchmarks/fastest_recipe.py`.
+    """
+    import tensorflow as tf
+
+    import keras_mirror_kit as kmk
+
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    strategy = tf.distribute.MirroredStrategy(devices=devices)
+    x_float = x_train / 255.0
+    train_dataset = tf.data.Dataset.from_tensor_slices((x_float, y_train))
+    batch = PER_REPLICA_BATCH * strategy.num_replicas_in_sync
+    train_dataset = train_dataset.shuffle(10000).batch(batch)
+    train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
+    with strategy.scope():
+        model = kmk.models.tutorial_cnn()
+        model.compile(
+            optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"]
+        )
+    return model, train_dist_dataset
 
 
 if __name__ == "__main__":

@@ -14,17 +14,24 @@ With no local copy and no usable download (offline, or behind a proxy or captive
 answers with a web page, which is discarded), `--data auto` (the default) trains on synthetic
 CIFAR-shaped data and says so in one WARNING line with the reason. `--data synthetic` uses
 synthetic data outright; `--data cifar10` never falls back.
+
+The checkpoint directory records the data it was trained on (`data_source.json`): a rerun
+resumes only on the same data (real CIFAR-10, or synthetic data of the same seed) and
+otherwise exits with an error before training.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 TUTORIAL_LEARNING_RATE = 1e-3  # Keras' Adam default, which the tutorial uses
 TUTORIAL_BATCH_SIZE = 64  # the tutorial's per-replica batch, at which 1e-3 was tuned
+DATA_RECORD = "data_source.json"  # in --checkpoint-dir: the data the checkpoints were trained on
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--checkpoint-dir",
         default="cifar10_checkpoints",
-        help="SyncedCheckpoint directory; a rerun resumes from it",
+        help="SyncedCheckpoint directory; a rerun on the same data resumes from it",
     )
     parser.add_argument("--no-checkpoint", action="store_true", help="do not checkpoint")
     parser.add_argument(
@@ -158,6 +165,41 @@ def load_data(args: argparse.Namespace):
         return unavailable(err)  # the download failed or was not CIFAR-10; nothing was kept
 
 
+def data_source(source: str, args: argparse.Namespace) -> dict[str, object]:
+    """What the checkpoints of this run are trained on (synthetic data depends on its seed)."""
+    return {"data": source, "seed": args.seed} if source == "synthetic" else {"data": source}
+
+
+def check_data_source(checkpoint_dir: str, source: dict[str, object], *, write: bool) -> None:
+    """Refuses a checkpoint directory trained on other data; records the data otherwise.
+
+    Without this, a rerun with `--data auto` that gets real CIFAR-10 (or, offline, synthetic
+    data) would silently resume checkpoints trained on the other.
+    """
+    path = Path(checkpoint_dir) / DATA_RECORD
+    if path.exists():
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        if recorded != source:
+            raise SystemExit(
+                f"error: --checkpoint-dir {checkpoint_dir} holds checkpoints trained on "
+                f"{_describe(recorded)}, but this run uses {_describe(source)}; resuming would "
+                "continue that training on other data. Use another --checkpoint-dir, or "
+                f"delete {checkpoint_dir} to start over. Received: data={source}, "
+                f"recorded={recorded}"
+            )
+    elif write:  # the chief, before any checkpoint exists in a new directory
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{DATA_RECORD}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(source), encoding="utf-8")
+        os.replace(tmp, path)
+
+
+def _describe(source: dict[str, object]) -> str:
+    if source.get("data") == "synthetic":
+        return f"synthetic CIFAR-shaped data (--seed {source.get('seed')})"
+    return "real CIFAR-10"
+
+
 def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -170,7 +212,8 @@ def main(argv: list[str] | None = None) -> float:
 
     import keras
 
-    (x_train, y_train), (x_test, y_test) = load_data(args)[0]
+    data, source = load_data(args)
+    (x_train, y_train), (x_test, y_test) = data
     if args.train_samples:
         x_train, y_train = x_train[: args.train_samples], y_train[: args.train_samples]
 
@@ -213,6 +256,7 @@ def main(argv: list[str] | None = None) -> float:
 
     callbacks: list[keras.callbacks.Callback] = [kmk.ThroughputMonitor()]
     if not args.no_checkpoint:
+        check_data_source(args.checkpoint_dir, data_source(source, args), write=dist.is_chief)
         callbacks.append(kmk.SyncedCheckpoint(args.checkpoint_dir, dataset=train_ds))
     if args.wandb:
         from keras_mirror_kit.integrations.wandb import WandbLogger

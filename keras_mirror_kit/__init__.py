@@ -6,39 +6,114 @@ import keras_mirror_kit as kmk
 @kmk.distributed(per_replica_batch_size=64)
 def build_model(): ...
 ```
+
+Importing the package is cheap: each public name is imported from its module on first use
+(PEP 562), so the command line (`keras-mirror-kit --help`, `launch`) starts without
+TensorFlow. `WarmupSchedule` is registered with Keras' serialization as soon as Keras is
+imported, so a `.keras` file that uses it loads after a plain `import keras_mirror_kit`.
 """
 
-from keras_mirror_kit import datasets, models
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import logging
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from keras_mirror_kit._version import __version__
-from keras_mirror_kit.batch_norm import synchronize_batch_norm
-from keras_mirror_kit.batching import global_batch_size, per_replica_batch_size
-from keras_mirror_kit.callbacks import ReplicaDivergenceError, SyncedCheckpoint, ThroughputMonitor
-from keras_mirror_kit.checkpoint_store import (
-    CheckpointError,
-    CheckpointWriteError,
-    CorruptCheckpointWarning,
-)
-from keras_mirror_kit.data import DatasetCursor, cursor_of, make_dataset, rescale
-from keras_mirror_kit.devices import nccl_available, simulate_replicas
-from keras_mirror_kit.distributed import DistributedFactory, distributed
-from keras_mirror_kit.distribution import Distribution, current, distribution_of
-from keras_mirror_kit.lr_scaling import scale_learning_rate
-from keras_mirror_kit.schedules import WarmupSchedule
-from keras_mirror_kit.throughput import ThroughputMeter
+
+if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
+    from keras_mirror_kit import datasets, models
+    from keras_mirror_kit.batch_norm import synchronize_batch_norm
+    from keras_mirror_kit.batching import global_batch_size, per_replica_batch_size
+    from keras_mirror_kit.callbacks import (
+        ReplicaDivergenceError,
+        SyncedCheckpoint,
+        ThroughputMonitor,
+    )
+    from keras_mirror_kit.callbacks.synced_checkpoint.preemption import (
+        PREEMPTED_EXIT_CODE,
+        Preempted,
+    )
+    from keras_mirror_kit.callbacks.synced_checkpoint.restore import restore
+    from keras_mirror_kit.checkpoint_lock import CheckpointLockedError, StaleLockWarning
+    from keras_mirror_kit.checkpoint_store import (
+        CheckpointError,
+        CheckpointWriteError,
+        CorruptCheckpointWarning,
+    )
+    from keras_mirror_kit.data import (
+        DatasetCursor,
+        cursor_of,
+        make_dataset,
+        preprocess_placement,
+        rescale,
+    )
+    from keras_mirror_kit.devices import nccl_available, simulate_replicas
+    from keras_mirror_kit.distributed import DistributedFactory, distributed
+    from keras_mirror_kit.distribution import Distribution, current, distribution_of
+    from keras_mirror_kit.flops import count_training_flops
+    from keras_mirror_kit.lr_scaling import scale_learning_rate
+    from keras_mirror_kit.schedules import WarmupSchedule
+    from keras_mirror_kit.throughput import ThroughputMeter
+
+# Public name -> the module that defines it (a sub-package maps to itself). Keep in step
+# with the TYPE_CHECKING imports above and `__all__` (tests/test_packaging.py checks).
+_LAZY: dict[str, str] = {
+    "CheckpointError": "keras_mirror_kit.checkpoint_store",
+    "CheckpointWriteError": "keras_mirror_kit.checkpoint_store",
+    "CorruptCheckpointWarning": "keras_mirror_kit.checkpoint_store",
+    "DatasetCursor": "keras_mirror_kit.data",
+    "Distribution": "keras_mirror_kit.distribution",
+    "DistributedFactory": "keras_mirror_kit.distributed",
+    "ReplicaDivergenceError": "keras_mirror_kit.callbacks",
+    "SyncedCheckpoint": "keras_mirror_kit.callbacks",
+    "ThroughputMeter": "keras_mirror_kit.throughput",
+    "ThroughputMonitor": "keras_mirror_kit.callbacks",
+    "WarmupSchedule": "keras_mirror_kit.schedules",
+    "current": "keras_mirror_kit.distribution",
+    "cursor_of": "keras_mirror_kit.data",
+    "datasets": "keras_mirror_kit.datasets",
+    "distributed": "keras_mirror_kit.distributed",
+    "distribution_of": "keras_mirror_kit.distribution",
+    "global_batch_size": "keras_mirror_kit.batching",
+    "make_dataset": "keras_mirror_kit.data",
+    "models": "keras_mirror_kit.models",
+    "nccl_available": "keras_mirror_kit.devices",
+    "per_replica_batch_size": "keras_mirror_kit.batching",
+    "rescale": "keras_mirror_kit.data",
+    "scale_learning_rate": "keras_mirror_kit.lr_scaling",
+    "simulate_replicas": "keras_mirror_kit.devices",
+    "synchronize_batch_norm": "keras_mirror_kit.batch_norm",
+    "preprocess_placement": "keras_mirror_kit.data",
+    "restore": "keras_mirror_kit.callbacks.synced_checkpoint.restore",
+    "CheckpointLockedError": "keras_mirror_kit.checkpoint_lock",
+    "StaleLockWarning": "keras_mirror_kit.checkpoint_lock",
+    "Preempted": "keras_mirror_kit.callbacks.synced_checkpoint.preemption",
+    "PREEMPTED_EXIT_CODE": "keras_mirror_kit.callbacks.synced_checkpoint.preemption",
+    "count_training_flops": "keras_mirror_kit.flops",
+}
 
 __all__ = [
     "CheckpointError",
+    "CheckpointLockedError",
     "CheckpointWriteError",
     "CorruptCheckpointWarning",
     "DatasetCursor",
-    "Distribution",
     "DistributedFactory",
+    "Distribution",
+    "PREEMPTED_EXIT_CODE",
+    "Preempted",
     "ReplicaDivergenceError",
+    "StaleLockWarning",
     "SyncedCheckpoint",
     "ThroughputMeter",
     "ThroughputMonitor",
     "WarmupSchedule",
-    "__version__",
+    "count_training_flops",
     "current",
     "cursor_of",
     "datasets",
@@ -49,8 +124,88 @@ __all__ = [
     "models",
     "nccl_available",
     "per_replica_batch_size",
+    "preprocess_placement",
     "rescale",
+    "restore",
     "scale_learning_rate",
     "simulate_replicas",
     "synchronize_batch_norm",
+    "__version__",
 ]
+
+# Modules that register objects with Keras' serialization when imported.
+_KERAS_REGISTRATIONS = ("keras_mirror_kit.schedules",)
+
+
+# Public names that are sub-packages or modules themselves (the others live in a module).
+_SUBMODULES = frozenset({"datasets", "models"})
+
+
+def __getattr__(name: str) -> Any:
+    """Imports a public name from its module on first use (PEP 562)."""
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(module_name)
+    value = module if name in _SUBMODULES else getattr(module, name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    """The module's names, the lazy ones included."""
+    return sorted(set(globals()) | set(__all__))
+
+
+def _register_with_keras() -> None:
+    """Imports the modules that register objects with Keras (Keras is imported by now)."""
+    for module_name in _KERAS_REGISTRATIONS:
+        try:
+            importlib.import_module(module_name)
+        except Exception as err:  # never break the user's `import keras`
+            logging.getLogger("keras_mirror_kit").debug(
+                "keras-mirror-kit: could not register %s with Keras: %r", module_name, err
+            )
+
+
+class _RegisterAfterKerasImport(importlib.abc.MetaPathFinder):
+    """Runs `_register_with_keras` right after `keras` itself is first imported."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "keras":
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)  # one shot; the look-up below must not find us
+        spec = importlib.util.find_spec("keras")
+        loader = getattr(spec, "loader", None)
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:
+            return spec
+
+        def exec_then_register(module: Any) -> None:
+            exec_module(module)
+            _register_with_keras()
+
+        loader.exec_module = exec_then_register  # type: ignore[union-attr]
+        return spec
+
+
+class _Package(types.ModuleType):
+    """Keeps `kmk.distributed` the decorator when Python sets its module as an attribute."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (
+            isinstance(value, types.ModuleType)
+            and name not in _SUBMODULES
+            and _LAZY.get(name) == value.__name__
+        ):
+            value = getattr(value, name, value)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+if "keras" in sys.modules:
+    _register_with_keras()
+elif not any(isinstance(f, _RegisterAfterKerasImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterAfterKerasImport())

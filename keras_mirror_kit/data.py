@@ -11,6 +11,17 @@ The permutation is keyed on the epoch, not on a random generator's state, so a r
 resumes at epoch `e` sees exactly the order an uninterrupted run saw at epoch `e`, and a
 `DatasetCursor` can start an epoch part-way through. `SyncedCheckpoint(dataset=...)` uses
 that to resume mid-epoch without training any batch twice.
+
+Where `preprocess` runs (`preprocess_on`). In the input pipeline, the batches hold its
+output: float32 for `rescale()`, four times the bytes of uint8 images, copied to every
+device. So for a model built by a `@kmk.distributed` factory (or compiled in `with
+kmk.distributed(...)`), `rescale()` (and any per-sample function given with
+`preprocess_on="replica"`) runs on each replica's device instead: the model's `fit`,
+`evaluate` and `predict` iterate a twin of the dataset that yields the stored dtype (same
+cursor, same order) and apply `preprocess` at the start of every replica step
+(`keras_mirror_kit.replica_preprocess`). Every other consumer (a plain Keras model, a loop
+of your own) iterates the dataset itself and sees the host-preprocessed batches, so its
+results never change.
 """
 
 from __future__ import annotations
@@ -25,11 +36,23 @@ import tensorflow as tf
 
 from keras_mirror_kit.batching import validate_non_negative_int, validate_positive_int
 
-__all__ = ["DatasetCursor", "cursor_of", "make_dataset", "rescale"]
+__all__ = [
+    "PREPROCESS_ON",
+    "DatasetCursor",
+    "cursor_of",
+    "make_dataset",
+    "preprocess_placement",
+    "replica_variant",
+    "rescale",
+]
 
 logger = logging.getLogger("keras_mirror_kit")
 
 _EPOCH, _SKIP, _SEED = 0, 1, 2
+
+#: The values of `make_dataset(preprocess_on=...)`.
+PREPROCESS_ON = ("auto", "host", "replica")
+_VARIANT = "_kmk_replica_variant"
 
 
 class DatasetCursor:
@@ -182,15 +205,43 @@ def cursor_of(dataset: Any) -> DatasetCursor | None:
     return getattr(dataset, "_kmk_cursor", None)
 
 
+class _Rescale:
+    """`x -> cast(x, dtype) * scale`; per sample, equal by value (so steps can be reused)."""
+
+    def __init__(self, scale: float, dtype: str) -> None:
+        self.scale = scale
+        self.dtype = dtype
+
+    def __call__(self, x: Any) -> Any:
+        return tf.cast(x, self.dtype) * tf.constant(self.scale, self.dtype)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Rescale) and (self.scale, self.dtype) == (
+            other.scale,
+            other.dtype,
+        )
+
+    def __hash__(self) -> int:
+        return hash((_Rescale, self.scale, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"kmk.rescale(scale={self.scale!r}, dtype={self.dtype!r})"
+
+
 def rescale(scale: float = 1.0 / 255.0, dtype: str = "float32") -> Callable[[Any], Any]:
     """Returns a per-batch `preprocess` function: cast to `dtype`, multiply by `scale`.
+
+    It works sample by sample, so `make_dataset` runs it on each replica's device for models
+    the kit built (`preprocess_on="auto"`): the stored dtype (uint8) crosses to the devices
+    instead of float32, with the same values.
 
     Args:
         scale: Multiplier applied after the cast (default maps uint8 pixels to [0, 1]).
         dtype: Floating dtype to cast to.
 
     Returns:
-        A function `x -> cast(x, dtype) * scale`.
+        A function `x -> cast(x, dtype) * scale` (a callable object; two with the same
+        `scale` and `dtype` are equal).
 
     Example:
 
@@ -198,11 +249,133 @@ def rescale(scale: float = 1.0 / 255.0, dtype: str = "float32") -> Callable[[Any
     ds = kmk.make_dataset(x_train, y_train, 128, preprocess=kmk.rescale())
     ```
     """
+    return _Rescale(scale, dtype)
 
-    def preprocess(x: Any) -> Any:
-        return tf.cast(x, dtype) * tf.constant(scale, dtype)
 
-    return preprocess
+class ReplicaVariant:
+    """The stored-dtype twin of a `make_dataset` dataset whose `preprocess` runs on replicas.
+
+    Built on first use (by `fit`, `evaluate` or `predict` of a model the kit built), then
+    kept: it shares the dataset's cursor, batch size and order, and yields the gathered
+    batches before `preprocess` (for example uint8 images).
+
+    Args:
+        preprocess: The `preprocess` the replica steps apply to the features.
+        has_y: Whether elements are `(features, labels)` (else the features alone).
+        stored: `tf.TensorSpec`s of one batch of features before `preprocess`.
+        build: Builds the twin (called once).
+        requested: Whether the user asked for it (`preprocess_on="replica"`), rather than
+            `"auto"` choosing it.
+
+    Example:
+
+    ```python
+    variant = replica_variant(train_ds)
+    raw = variant.dataset()        # uint8 batches, same cursor as train_ds
+    ```
+    """
+
+    def __init__(
+        self,
+        preprocess: Callable[[Any], Any],
+        has_y: bool,
+        stored: Any,
+        build: Callable[[], tf.data.Dataset],
+        requested: bool = False,
+    ) -> None:
+        self.preprocess = preprocess
+        self.has_y = has_y
+        self.stored = stored
+        self.requested = requested
+        self._build: Callable[[], tf.data.Dataset] | None = build
+        self._dataset: tf.data.Dataset | None = None
+
+    @property
+    def key(self) -> tuple[Any, bool]:
+        """What a replica step depends on: `(preprocess, has_y)`."""
+        return self.preprocess, self.has_y
+
+    def dataset(self) -> tf.data.Dataset:
+        """Returns the twin dataset, building it on the first call.
+
+        Returns:
+            A `tf.data.Dataset` of stored-dtype batches, tagged like `make_dataset`'s.
+
+        Example:
+
+        ```python
+        raw = replica_variant(train_ds).dataset()
+        ```
+        """
+        if self._dataset is None:
+            assert self._build is not None
+            self._dataset = self._build()
+            setattr(self._dataset, _VARIANT, self)
+            self._build = None
+        return self._dataset
+
+    def is_twin(self, dataset: Any) -> bool:
+        """Whether `dataset` is this twin (already built).
+
+        Args:
+            dataset: Any object.
+
+        Returns:
+            True for the stored-dtype twin itself.
+
+        Example:
+
+        ```python
+        assert variant.is_twin(variant.dataset())
+        ```
+        """
+        return self._dataset is not None and dataset is self._dataset
+
+
+def replica_variant(dataset: Any) -> ReplicaVariant | None:
+    """The `ReplicaVariant` of a `make_dataset` dataset (or of its twin), else None.
+
+    Only the object `make_dataset` returned carries it: a pipeline built on top of it
+    (`ds.repeat()`, `ds.map(f)`) preprocesses on the host.
+
+    Args:
+        dataset: Any object.
+
+    Returns:
+        The variant when kit-built models run `preprocess` on the replicas for `dataset`.
+
+    Example:
+
+    ```python
+    assert replica_variant(kmk.make_dataset(x, y, 32, preprocess=kmk.rescale()))
+    ```
+    """
+    variant = getattr(dataset, _VARIANT, None)
+    return variant if isinstance(variant, ReplicaVariant) else None
+
+
+def preprocess_placement(dataset: Any) -> str | None:
+    """Where a `make_dataset` dataset's `preprocess` runs when a kit-built model trains on it.
+
+    Args:
+        dataset: Any object.
+
+    Returns:
+        `"replica"` (models built by the kit receive the stored dtype and apply
+        `preprocess` on each replica's device; other consumers still get host-preprocessed
+        batches), `"host"` (in the input pipeline, for every consumer), or None (no
+        `preprocess`, or not the object `make_dataset` returned).
+
+    Example:
+
+    ```python
+    ds = kmk.make_dataset(x, y, 64, preprocess=kmk.rescale())
+    assert kmk.preprocess_placement(ds) == "replica"
+    ```
+    """
+    if replica_variant(dataset) is not None:
+        return "replica"
+    return "host" if getattr(dataset, "_kmk_preprocess_on_host", False) else None
 
 
 def _default_replicas() -> int:
@@ -233,6 +406,7 @@ def make_dataset(
     shuffle: bool = True,
     seed: int | None = None,
     preprocess: Callable[[Any], Any] | None = None,
+    preprocess_on: str = "auto",
     drop_remainder: bool | None = None,
     num_replicas: int | None = None,
     prefetch: bool = True,
@@ -252,6 +426,18 @@ def make_dataset(
             seed on every worker); `SyncedCheckpoint` saves it, so a resume reuses it.
         preprocess: Function applied to each batch of `x` after batching (for example
             `kmk.rescale()` to cast uint8 images to float in [0, 1]).
+        preprocess_on: Where `preprocess` runs for a model built by the kit (a
+            `@kmk.distributed` factory or a `with kmk.distributed(...)` block): `"replica"`
+            (its `fit`, `evaluate` and `predict` receive the stored dtype, and each replica
+            applies `preprocess` to its slice of the batch on its own device: a quarter of
+            the bytes to copy for uint8 images), `"host"` (in the input pipeline, before
+            the batch is split), or `"auto"` (the default: `"replica"` for `kmk.rescale()`,
+            which works sample by sample, `"host"` for any other function, which might
+            depend on the whole batch or use ops that cannot run on the device). Pass
+            `"replica"` for a function of your own that is per-sample and traceable. Any
+            other consumer of the dataset (a plain Keras model, your own loop, or a
+            pipeline built on top of it such as `ds.repeat()`) always gets the
+            host-preprocessed batches.
         drop_remainder: Drop the last partial batch. Defaults to `shuffle` (dropped for
             training, kept for evaluation).
         num_replicas: Replicas the batches are split over, used to check that a kept
@@ -262,13 +448,16 @@ def make_dataset(
     Returns:
         A `tf.data.Dataset` of `(x_batch, y_batch)` (or `x_batch`) with known cardinality,
         auto-shard policy DATA, tf.data autotuning off (see `keras_mirror_kit.keras_fit_stall`),
-        and a `DatasetCursor` (see `cursor_of`).
+        a `DatasetCursor` (see `cursor_of`) and, when `preprocess` runs on the replicas for
+        kit-built models, a `ReplicaVariant` (see `preprocess_placement`). Iterated, it
+        always yields the preprocessed batches.
 
     Raises:
         TypeError: On a missing or non-integer batch size or a non-callable `preprocess`.
         ValueError: On an empty dataset, arrays of different lengths, a non-positive batch
-            size, a batch larger than the data when dropping the remainder, or a partial
-            final batch that would leave a replica empty.
+            size, a batch larger than the data when dropping the remainder, a partial
+            final batch that would leave a replica empty, an unknown `preprocess_on`, or
+            `preprocess_on="replica"` without a `preprocess`.
 
     Example:
 
@@ -287,6 +476,18 @@ def make_dataset(
     batch_size = validate_positive_int("batch_size", batch_size)
     if preprocess is not None and not callable(preprocess):
         raise TypeError(f"`preprocess` must be callable. Received: preprocess={preprocess!r}")
+    if preprocess_on not in PREPROCESS_ON:
+        raise ValueError(
+            f"`preprocess_on` must be one of {', '.join(map(repr, PREPROCESS_ON))}. "
+            f"Received: preprocess_on={preprocess_on!r}"
+        )
+    if preprocess_on == "replica" and preprocess is None:
+        raise ValueError(
+            "preprocess_on='replica' moves `preprocess` onto the replicas, but no "
+            "`preprocess` was given. Pass one (for example preprocess=kmk.rescale()) or "
+            "leave preprocess_on at its default. Received: preprocess=None, "
+            "preprocess_on='replica'"
+        )
     if seed is not None:
         seed = validate_non_negative_int("seed", seed)
     elif shuffle and _multi_worker_expected():
@@ -353,28 +554,56 @@ def make_dataset(
         index = order[start : tf.minimum(start + batch_size, n)]
         return (epoch, skip, order), index
 
-    def gather(index: tf.Tensor) -> Any:
-        picked = tf.nest.map_structure(lambda t: tf.gather(t, index), tensors)
-        features = picked[0]
-        if preprocess is not None:
-            features = preprocess(features)
-        return features if y is None else (features, picked[1])
+    def build(apply: Callable[[Any], Any] | None) -> tf.data.Dataset:
+        def gather(index: tf.Tensor) -> Any:
+            picked = tf.nest.map_structure(lambda t: tf.gather(t, index), tensors)
+            features = picked[0]
+            if apply is not None:
+                features = apply(features)
+            return features if y is None else (features, picked[1])
 
-    initial = (tf.constant(-1, tf.int64), tf.constant(0, tf.int64), tf.zeros([n], tf.int64))
-    dataset = tf.data.Dataset.range(num_batches).scan(initial, next_batch)
-    dataset = dataset.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    if prefetch:
-        dataset = dataset.prefetch(tf.data.AUTOTUNE)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    # No autotuning model thread: destroying an iterator whose model thread is asleep can
-    # block for up to 60 s (a TensorFlow lost wake-up; see keras_mirror_kit.keras_fit_stall),
-    # and Keras destroys one at every epoch end. The map and prefetch keep AUTOTUNE, which
-    # then means TensorFlow's fixed defaults (as fast here: gather and cast are cheap).
-    options.autotune.enabled = False
-    dataset = dataset.with_options(options)
-    dataset._kmk_cursor = cursor  # noqa: SLF001
-    # Read by keras_mirror_kit.fit_inputs (batch checks, exact throughput of a last batch).
-    dataset._kmk_batch_size = batch_size  # noqa: SLF001
-    dataset._kmk_epoch_samples = n if not drop else num_batches * batch_size  # noqa: SLF001
+        initial = (
+            tf.constant(-1, tf.int64),
+            tf.constant(0, tf.int64),
+            tf.zeros([n], tf.int64),
+        )
+        dataset = tf.data.Dataset.range(num_batches).scan(initial, next_batch)
+        dataset = dataset.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        if prefetch:
+            dataset = dataset.prefetch(tf.data.AUTOTUNE)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.DATA
+        )
+        # No autotuning model thread: destroying an iterator whose model thread is asleep
+        # can block for up to 60 s (a TensorFlow lost wake-up; see
+        # keras_mirror_kit.keras_fit_stall), and Keras destroys one at every epoch end. The
+        # map and prefetch keep AUTOTUNE, which then means TensorFlow's fixed defaults (as
+        # fast here: gather and cast are cheap).
+        options.autotune.enabled = False
+        dataset = dataset.with_options(options)
+        dataset._kmk_cursor = cursor  # noqa: SLF001
+        # Read by keras_mirror_kit.fit_inputs (batch checks, exact throughput of a last batch).
+        dataset._kmk_batch_size = batch_size  # noqa: SLF001
+        dataset._kmk_epoch_samples = n if not drop else num_batches * batch_size  # noqa: SLF001
+        return dataset
+
+    dataset = build(preprocess)
+    if preprocess is not None and (
+        preprocess_on == "replica"
+        or (preprocess_on == "auto" and isinstance(preprocess, _Rescale))
+    ):
+        stored = tf.nest.map_structure(
+            lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), tensors[0]
+        )
+        variant = ReplicaVariant(
+            preprocess,
+            y is not None,
+            stored,
+            lambda: build(None),
+            requested=preprocess_on == "replica",
+        )
+        setattr(dataset, _VARIANT, variant)
+    elif preprocess is not None:
+        dataset._kmk_preprocess_on_host = True  # noqa: SLF001
     return dataset

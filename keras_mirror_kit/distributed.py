@@ -102,14 +102,22 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             (`keras_mirror_kit.keras_loss_scale`).
         steps_per_execution: Steps per compiled call: an integer, or `"auto"` (8); None
             leaves what `compile()` got.
+        gradient_accumulation_steps: Micro-batches per optimizer update (default 1: an
+            update at every step). With N > 1 the model's optimizer (the inner optimizer of
+            a `LossScaleOptimizer`) accumulates the gradients of N steps and applies their
+            mean, with Keras' own `gradient_accumulation_steps` mechanism, made to work under
+            the strategy (`keras_mirror_kit.keras_grad_accumulation`). The batch given to
+            `fit` stays `global_batch_size`; each update sees `effective_batch_size` =
+            per-replica batch x replicas x N samples, which `scale_learning_rate` uses.
         lr_scaling_rule: Default rule of `Distribution.scale_learning_rate`.
 
     Raises:
         RuntimeError: If Keras runs on another backend than TensorFlow.
         TypeError: On a wrong argument type, or when the factory returns no `keras.Model`.
         ValueError: On both or neither batch size, a non-positive or indivisible batch
-            size, unknown devices, rule or all-reduce, or a model or optimizer created
-            outside the strategy's scope.
+            size, a non-positive `gradient_accumulation_steps`, unknown devices, rule or
+            all-reduce, a model or optimizer created outside the strategy's scope, or an
+            optimizer given another `gradient_accumulation_steps` than this one.
 
     Example:
 
@@ -143,6 +151,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         sync_batch_norm: bool = False,
         mixed_precision: str | None = None,
         steps_per_execution: int | str | None = None,
+        gradient_accumulation_steps: int = 1,
     ) -> None:
         check_backend()
         if per_replica_batch_size is None and global_batch_size is None:
@@ -190,6 +199,8 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
                     f"Received: steps_per_execution={steps_per_execution!r}"
                 )
             validate_positive_int("steps_per_execution", steps_per_execution)
+        validate_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+        self._accumulation = int(gradient_accumulation_steps)
         self._options = ModelOptions(
             mixed_precision=validate_policy(mixed_precision),
             sync_batch_norm=sync_batch_norm,
@@ -243,7 +254,13 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             per_replica = split_global_batch(self._global_batch_size, replicas)
         else:
             per_replica = int(self._per_replica_batch_size)  # type: ignore[arg-type]
-        dist = Distribution(strategy, per_replica, ops_name, self._lr_scaling_rule)
+        dist = Distribution(
+            strategy,
+            per_replica,
+            ops_name,
+            self._lr_scaling_rule,
+            gradient_accumulation_steps=self._accumulation,
+        )
         logger.info(dist.describe())
         return dist
 

@@ -2,7 +2,8 @@
 
 A `Distribution` is the kit's read-only description of one data-parallel setup: the
 `tf.distribute.Strategy`, its devices and replica count, the per-replica and global batch
-sizes, and the learning-rate scaling rule. `distributed()` creates it; everything above the
+sizes, the gradient accumulation steps and the effective batch size (samples per optimizer
+update), and the learning-rate scaling rule. `distributed()` creates it; everything above the
 core (callbacks, integrations, the command line) reads it from here, either through
 `current()` while a factory or `with` block runs, or through `distribution_of(model)` for a
 model the kit built.
@@ -37,10 +38,13 @@ class Distribution:
             `"nccl"`, `"hierarchical_copy"`, `"reduction_to_one_device"` or `"collective"`).
         lr_scaling_rule: Default rule for `scale_learning_rate` (`"linear"`, `"sqrt"` or
             `"none"`).
+        gradient_accumulation_steps: Micro-batches (training steps) whose gradients make
+            one optimizer update; 1 updates at every step.
 
     Raises:
-        ValueError: If `per_replica_batch_size` is not a positive integer or the rule is
-            unknown.
+        TypeError: If a count is not an integer.
+        ValueError: If `per_replica_batch_size` or `gradient_accumulation_steps` is not a
+            positive integer or the rule is unknown.
 
     Example:
 
@@ -59,8 +63,12 @@ class Distribution:
         per_replica_batch_size: int,
         cross_device_ops: str,
         lr_scaling_rule: str = DEFAULT_RULE,
+        gradient_accumulation_steps: int = 1,
     ) -> None:
         validate_positive_int("per_replica_batch_size", per_replica_batch_size)
+        self._accumulation = validate_positive_int(
+            "gradient_accumulation_steps", gradient_accumulation_steps
+        )
         self._strategy = strategy
         self._per_replica_batch_size = per_replica_batch_size
         self._cross_device_ops = cross_device_ops
@@ -107,8 +115,22 @@ class Distribution:
 
     @property
     def global_batch_size(self) -> int:
-        """Samples per step over all replicas: per-replica batch x replicas."""
+        """Samples per step over all replicas: per-replica batch x replicas.
+
+        With gradient accumulation a step is one micro-batch: the batch to give `fit`."""
         return self._per_replica_batch_size * self.num_replicas
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Training steps (micro-batches) per optimizer update; 1 without accumulation."""
+        return self._accumulation
+
+    @property
+    def effective_batch_size(self) -> int:
+        """Samples per optimizer update: per-replica batch x replicas x accumulation steps.
+
+        The batch size the optimizer sees, and the one learning-rate scaling uses."""
+        return self.global_batch_size * self._accumulation
 
     @property
     def lr_scaling_rule(self) -> str:
@@ -130,7 +152,10 @@ class Distribution:
         base_batch_size: int,
         rule: str | None = None,
     ) -> float:
-        """Scales a learning rate tuned at `base_batch_size` to this global batch size.
+        """Scales a learning rate tuned at `base_batch_size` to this effective batch size.
+
+        The effective batch size (`effective_batch_size`: samples per optimizer update) is
+        the global batch size times `gradient_accumulation_steps`.
 
         The values are recorded in `learning_rate_scaling` so that integrations (W&B) can
         report them.
@@ -155,7 +180,7 @@ class Distribution:
         """
         rule = self._lr_scaling_rule if rule is None else rule
         scaled = scale_learning_rate(
-            base_learning_rate, base_batch_size, self.global_batch_size, rule=rule
+            base_learning_rate, base_batch_size, self.effective_batch_size, rule=rule
         )
         self.learning_rate_scaling = {
             "base_learning_rate": float(base_learning_rate),
@@ -166,7 +191,8 @@ class Distribution:
         return scaled
 
     def describe(self) -> str:
-        """A one-line summary: strategy, devices, replicas, all-reduce and global batch.
+        """A one-line summary: strategy, devices, replicas, all-reduce, global batch and,
+        with gradient accumulation, the effective batch.
 
         Returns:
             The summary string that `distributed()` logs at INFO level.
@@ -183,13 +209,20 @@ class Distribution:
             f"{f' over {self.num_workers} workers' if self.num_workers > 1 else ''}), "
             f"all-reduce={self.cross_device_ops}, global batch {self.global_batch_size} "
             f"= {self.per_replica_batch_size} per replica x {self.num_replicas}"
+            + (
+                f", effective batch {self.effective_batch_size} = {self.global_batch_size} x "
+                f"{self._accumulation} accumulation steps"
+                if self._accumulation > 1
+                else ""
+            )
         )
 
     def as_config(self) -> dict[str, Any]:
         """The distribution as a flat, JSON-friendly dict (for run configs and logs).
 
         Returns:
-            A dict of strategy, devices, replicas, workers, batch sizes and learning rate.
+            A dict of strategy, devices, replicas, workers, batch sizes, accumulation steps
+            and learning rate.
 
         Example:
 
@@ -205,6 +238,8 @@ class Distribution:
             "cross_device_ops": self.cross_device_ops,
             "per_replica_batch_size": self.per_replica_batch_size,
             "global_batch_size": self.global_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "effective_batch_size": self.effective_batch_size,
             "lr_scaling_rule": self.lr_scaling_rule,
         }
         if self.learning_rate_scaling:
@@ -215,15 +250,20 @@ class Distribution:
         return (
             f"Distribution(strategy={self.strategy_name}, devices={list(self.devices)}, "
             f"num_replicas={self.num_replicas}, per_replica_batch_size="
-            f"{self.per_replica_batch_size}, global_batch_size={self.global_batch_size})"
+            f"{self.per_replica_batch_size}, global_batch_size={self.global_batch_size}"
+            + (
+                f", gradient_accumulation_steps={self._accumulation}, effective_batch_size="
+                f"{self.effective_batch_size}"
+                if self._accumulation > 1
+                else ""
+            )
+            + ")"
         )
 
 
 _ALL_DISTRIBUTIONS: weakref.WeakSet[Distribution] = weakref.WeakSet()
 _local = threading.local()
-_MODEL_DISTRIBUTIONS: weakref.WeakKeyDictionary[Any, Distribution] = (
-    weakref.WeakKeyDictionary()
-)
+_MODEL_DISTRIBUTIONS: weakref.WeakKeyDictionary[Any, Distribution] = weakref.WeakKeyDictionary()
 
 
 def _stack() -> list[Distribution]:

@@ -44,6 +44,18 @@ gets SIGKILL right after SIGTERM at a normal end (no /proc to wait on); where `o
 is missing (macOS before Python 3.13) the launcher reaps a worker when it sees it exit,
 so what that worker left in its group is no longer stopped.
 
+`--max-restarts K` turns the launcher into a supervisor: when a worker fails (a non-zero
+status or a signal, including status 75, `PREEMPTED_EXIT_CODE`, of a worker that saved on a
+stop signal someone sent it) or a worker does not join within `--startup-timeout`, the
+others are stopped as above and all N start again on new ports, up to K times, with
+`KMK_LAUNCH_RESTART_COUNT` telling each attempt its number; a script with a
+`SyncedCheckpoint` resumes from its newest checkpoint. A worker that exits with status 75
+lets its peers (which saved at the same step) exit by themselves within `--finish-window`
+seconds before they are stopped. No restart follows a worker that left early with status
+0 (a script error a restart would repeat), `--timeout` (it bounds all attempts together)
+or a signal to the launcher itself. After K restarts the launcher exits with the last
+failure, naming the worker.
+
 On a host with GPUs each worker gets its own: `--gpus-per-worker K` (default: the visible
 GPUs split evenly) sets `CUDA_VISIBLE_DEVICES` per worker (see `visible_gpus` and
 `assign_gpus`); `--memory-growth` sets `TF_FORCE_GPU_ALLOW_GROWTH=true` in every worker.
@@ -88,6 +100,11 @@ PROG = "keras-mirror-kit launch"
 READY_FILE_ENV = "KMK_LAUNCH_READY_FILE"  # keras_mirror_kit.multi_worker.READY_FILE_ENV
 RANK_ENV = "KMK_LAUNCH_RANK"
 WORLD_SIZE_ENV = "KMK_LAUNCH_WORLD_SIZE"
+RESTART_ENV = "KMK_LAUNCH_RESTART_COUNT"  # 0 in the first attempt, then 1, 2, ...
+# A worker's status after it saved on a stop signal (SyncedCheckpoint): its peers saved at
+# the same step and are exiting too. keras_mirror_kit.callbacks.synced_checkpoint.
+# preemption.PREEMPTED_EXIT_CODE (this module imports nothing of the kit).
+PREEMPTED_EXIT_CODE = 75
 GPU_ENV = "CUDA_VISIBLE_DEVICES"
 MEMORY_GROWTH_ENV = "TF_FORCE_GPU_ALLOW_GROWTH"  # read by TensorFlow's GPU allocator
 EXIT_FAILED = 1  # a worker left early (exited with status 0 while the others ran)
@@ -310,6 +327,7 @@ def worker_environment(
     ready_file: str | None,
     gpus: Sequence[str] | None = None,
     memory_growth: bool = False,
+    restart_count: int = 0,
 ) -> dict[str, str]:
     """The environment of worker `index`: `base` plus TF_CONFIG and the launcher's variables.
 
@@ -322,6 +340,8 @@ def worker_environment(
             GPU), or None to leave `CUDA_VISIBLE_DEVICES` as in `base`.
         memory_growth: Whether to set `TF_FORCE_GPU_ALLOW_GROWTH=true` (TensorFlow then
             allocates GPU memory as needed instead of taking it all at start-up).
+        restart_count: How many times the group was restarted before this attempt
+            (`--max-restarts`), set as `KMK_LAUNCH_RESTART_COUNT`.
 
     Returns:
         A new dict.
@@ -336,6 +356,7 @@ def worker_environment(
     env["TF_CONFIG"] = tf_config_for(ports, index)
     env[RANK_ENV] = str(index)
     env[WORLD_SIZE_ENV] = str(len(ports))
+    env[RESTART_ENV] = str(restart_count)
     env["PYTHONUNBUFFERED"] = "1"
     if ready_file is not None:
         env[READY_FILE_ENV] = ready_file
@@ -411,6 +432,8 @@ def _describe_status(returncode: int) -> str:
         except ValueError:
             name = f"signal {-returncode}"
         return f"was killed by {name}"
+    if returncode == PREEMPTED_EXIT_CODE:
+        return f"exited with status {returncode} (it saved its state on a stop signal)"
     return f"exited with status {returncode}"
 
 
@@ -671,6 +694,7 @@ _VALUE_OPTIONS = (
     "--grace",
     "--finish-window",
     "--gpus-per-worker",
+    "--max-restarts",
 )
 _FLAG_OPTIONS = ("-m", "--memory-growth", "-h", "--help")
 
@@ -698,6 +722,7 @@ def _build_parser() -> argparse.ArgumentParser:
             f"  {PROG} -n 2 -- ./run.sh\n"
             f"  {PROG} -n 2 -m my_package.train --epochs 10\n"
             f"  {PROG} -n 4 --gpus-per-worker 2 --memory-growth train.py   # 8 GPUs\n"
+            f"  {PROG} -n 2 --max-restarts 3 train.py   # restart all after a failure\n"
             "\n"
             "Options are not abbreviated; everything after `--` goes to the script.\n"
             "The workers never outlive the launcher: SIGINT, SIGTERM and SIGHUP stop them,\n"
@@ -749,6 +774,16 @@ def _build_parser() -> argparse.ArgumentParser:
         help="give each worker K GPUs of its own via CUDA_VISIBLE_DEVICES (default: the "
         "visible GPUs split evenly, an error if N does not divide them; nothing set "
         "without GPUs; 0: no GPU for any worker)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="when a worker fails (a non-zero status, a signal, also status "
+        f"{PREEMPTED_EXIT_CODE} after a save on a stop signal) or does not join, stop the "
+        "others and start all N again on new ports, up to K times; the script resumes "
+        "from its SyncedCheckpoint (default 0: no restart)",
     )
     parser.add_argument(
         "--memory-growth",
@@ -823,6 +858,11 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 def _validate(args: argparse.Namespace) -> None:
     if args.nproc < 1:
         raise LaunchError(f"-n must be a positive number of workers. Received: -n {args.nproc}")
+    if args.max_restarts < 0:
+        raise LaunchError(
+            "--max-restarts must be >= 0 (0: no restart). Received: --max-restarts "
+            f"{args.max_restarts}"
+        )
     for name in ("startup_timeout", "timeout", "grace", "finish_window"):
         value = getattr(args, name)
         if value < 0:
@@ -838,12 +878,30 @@ def _validate(args: argparse.Namespace) -> None:
     args.gpus = assign_gpus(args.nproc, visible_gpus(), args.gpus_per_worker)
 
 
-class _Group:
-    """The running workers, and how to stop them."""
+@dataclass
+class _Outcome:
+    """How an attempt ended: the launcher's exit code, and whether a restart may follow."""
 
-    def __init__(self, args: argparse.Namespace, out: IO[str], err: IO[str]) -> None:
+    code: int
+    restart: bool = False  # a worker failed (or did not join): --max-restarts may retry
+    failure: str = ""  # "worker 1 was killed by SIGKILL"
+
+
+class _Group:
+    """The running workers of one attempt, and how to stop them."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        out: IO[str],
+        err: IO[str],
+        attempt: int = 0,
+        deadline: float | None = None,
+    ) -> None:
         self.args = args
         self.out, self.err = out, err
+        self.attempt = attempt  # restarts before this attempt
+        self.deadline = deadline  # time.monotonic() of --timeout, over all attempts
         self.relay = _Relay()
         self.workers: list[_Worker] = []
         self.ready_dir: str | None = None
@@ -869,8 +927,11 @@ class _Group:
             placement = f"; no GPU ({GPU_ENV}=-1)"
         if self.args.memory_growth:
             placement += f"; {MEMORY_GROWTH_ENV}=true"
+        attempt = ""
+        if self.args.max_restarts:
+            attempt = f"attempt {self.attempt + 1} of {self.args.max_restarts + 1}: "
         self.note(
-            f"starting {n} worker(s) on 127.0.0.1 ports {', '.join(map(str, ports))}"
+            f"{attempt}starting {n} worker(s) on 127.0.0.1 ports {', '.join(map(str, ports))}"
             f"{placement}: {shlex.join(shown)}"
         )
         self.watchdog = _Watchdog()
@@ -883,6 +944,7 @@ class _Group:
                 ready,
                 gpus=None if gpus is None else gpus[index],
                 memory_growth=self.args.memory_growth,
+                restart_count=self.attempt,
             )
             process = subprocess.Popen(
                 _with_parent_death_signal(command, env),
@@ -914,16 +976,29 @@ class _Group:
                 return worker
         return None
 
-    def watch(self) -> int:
+    def _wait_for_preempted_peers(self) -> None:
+        """A worker exited after saving on a stop signal: its peers saved too and are exiting.
+
+        They get --finish-window seconds (a save may take a while on the chief) before
+        stop() signals them, so that the chief's save is not cut short.
+        """
+        window = self.args.finish_window or math.inf
+        deadline = time.monotonic() + window
+        while self.stop_signal is None and time.monotonic() < deadline:
+            self._poll()
+            if all(w.exited_at is not None for w in self.workers):
+                return
+            time.sleep(POLL_S)
+
+    def watch(self) -> _Outcome:
         start = time.monotonic()
         startup = self.args.startup_timeout
-        overall = self.args.timeout
         window = self.args.finish_window
         while True:
             if self.stop_signal is not None:
                 self.note(f"received {signal.Signals(self.stop_signal).name}; stopping workers")
                 self.stop()
-                return 128 + self.stop_signal
+                return _Outcome(128 + self.stop_signal)
             self._poll()
             exited = sorted(
                 (w for w in self.workers if w.exited_at is not None),
@@ -932,19 +1007,23 @@ class _Group:
             failed = next((w for w in exited if w.exit_code != 0), None)
             early = self._first_early_exit()
             if failed is not None:
-                stopped = self.stop()
+                code = _exit_code(failed.exit_code or 0)
                 if early is not None and early.exit_time < failed.exit_time:
-                    self.report_early_exit(early, stopped, then=failed)
-                else:
-                    self.report_failure(failed, stopped)
-                return _exit_code(failed.exit_code or 0)
+                    self.report_early_exit(early, self.stop(), then=failed)
+                    return _Outcome(code, failure=f"worker {early.index} left early")
+                if failed.exit_code == PREEMPTED_EXIT_CODE:
+                    self._wait_for_preempted_peers()
+                self.report_failure(failed, self.stop())
+                return _Outcome(
+                    code, restart=True, failure=f"worker {failed.index} {failed.status}"
+                )
             if len(exited) == len(self.workers):
                 self.stop()  # what the workers left in their process groups, if anything
-                return 0
+                return _Outcome(0)
             now = time.monotonic()
             if early is not None and window and now - early.exit_time > window:
                 self.report_early_exit(early, self.stop())
-                return EXIT_FAILED
+                return _Outcome(EXIT_FAILED, failure=f"worker {early.index} left early")
             late = [
                 w for w in self.workers if not w.ready and w.exit_code is None and w.ready_file
             ]
@@ -964,12 +1043,12 @@ class _Group:
                 )
                 for worker in [*gone, *late]:
                     self.print_tail(worker)
-                return EXIT_TIMEOUT
-            if overall and now - start > overall:
+                return _Outcome(EXIT_TIMEOUT, restart=True, failure=f"{names} did not join")
+            if self.deadline is not None and now > self.deadline:
                 stopped = self.stop()
                 names = ", ".join(f"worker {w.index}" for w in stopped) or "no worker"
-                self.note(f"--timeout {overall:g} s reached; stopped {names}")
-                return EXIT_TIMEOUT
+                self.note(f"--timeout {self.args.timeout:g} s reached; stopped {names}")
+                return _Outcome(EXIT_TIMEOUT)
             time.sleep(POLL_S)
 
     def _still_running(self, worker: _Worker) -> bool:
@@ -1020,7 +1099,11 @@ class _Group:
     def report_failure(self, worker: _Worker, stopped: Sequence[_Worker]) -> None:
         self.note(f"{worker.label} {worker.status}{self._stopped_text(stopped)}")
         self.print_tail(worker)
-        self.note(f"FAILED: worker {worker.index} {worker.status}")
+        restarts = self.args.max_restarts
+        if self.attempt < restarts:
+            return  # main() says that it restarts
+        used = f" (attempt {self.attempt + 1}: --max-restarts {restarts} used up)"
+        self.note(f"FAILED: worker {worker.index} {worker.status}{used if restarts else ''}")
 
     def report_early_exit(
         self, worker: _Worker, stopped: Sequence[_Worker], then: _Worker | None = None
@@ -1072,6 +1155,9 @@ def main(argv: list[str] | None = None) -> int:
         the others had not finished `--finish-window` seconds later, 124 on
         `--startup-timeout` or `--timeout`, 2 on a usage error (also: GPUs that cannot be
         split as asked), 128 + N when the launcher itself got SIGINT, SIGTERM or SIGHUP.
+        With `--max-restarts K`, a failed worker (non-zero status, a signal, or not
+        joining the cluster) restarts all workers, up to K times; the code is then that
+        of the last attempt.
 
     Raises:
         Nothing for a worker's failure or a usage error (they are exit codes); an
@@ -1094,11 +1180,13 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:
         code = exit_.code
         return code if isinstance(code, int) else EXIT_USAGE
-    group = _Group(args, sys.stdout, sys.stderr)
+    state = _LaunchState()
     previous: dict[int, Any] = {}
 
     def on_signal(signum: int, _frame: Any) -> None:
-        group.stop_signal = signum
+        state.signal = signum
+        if state.group is not None:
+            state.group.stop_signal = signum
 
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
@@ -1108,20 +1196,53 @@ def main(argv: list[str] | None = None) -> int:
             sighup = sig is not None and sig == getattr(signal, "SIGHUP", None)
             if sig is not None and not (sighup and signal.getsignal(sig) is signal.SIG_IGN):
                 previous[sig] = signal.signal(sig, on_signal)
+    deadline = time.monotonic() + args.timeout if args.timeout else None
+    try:
+        for attempt in range(args.max_restarts + 1):
+            outcome = _run_attempt(args, state, attempt, deadline)
+            if outcome.restart and state.signal is not None:  # came while it ended
+                return 128 + state.signal
+            if not outcome.restart or attempt == args.max_restarts:
+                return outcome.code
+            sys.stderr.write(
+                f"{PROG}: {outcome.failure}; restarting all {args.nproc} worker(s) on new "
+                f"ports (restart {attempt + 1} of --max-restarts {args.max_restarts})\n"
+            )
+            sys.stderr.flush()
+        raise AssertionError("unreachable")  # pragma: no cover
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class _LaunchState:
+    """What the launcher's signal handler sets: the signal, and the group to stop."""
+
+    signal: int | None = None
+    group: _Group | None = None
+
+
+def _run_attempt(
+    args: argparse.Namespace, state: _LaunchState, attempt: int, deadline: float | None
+) -> _Outcome:
+    """Starts the workers once, watches them to their end, and stops what is left."""
+    group = _Group(args, sys.stdout, sys.stderr, attempt=attempt, deadline=deadline)
+    group.stop_signal = state.signal
+    state.group = group
     try:
         try:
             group.start()
         except (LaunchError, OSError) as err:
             group.stop()
             sys.stderr.write(f"{PROG}: error: could not start the workers: {err}\n")
-            return 1
+            return _Outcome(1)
         return group.watch()
     except BaseException:
         group.stop()
         raise
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        state.group = None
         group.cleanup()
 
 

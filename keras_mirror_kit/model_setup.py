@@ -13,8 +13,10 @@ A model returned by a decorated factory, or compiled inside `with kmk.distribute
   (`keras_mirror_kit.keras_epoch_rounding`), batch in-memory arrays with the global batch
   size when no `batch_size` is given (and tell `ThroughputMonitor` the batch really used,
   `batch_plan`), run the kit's log-producing callbacks first (so loggers listed before them
-  still see their figures), and run without per-device tf.data autotuning
-  (`keras_mirror_kit.keras_fit_stall`).
+  still see their figures), run without per-device tf.data autotuning
+  (`keras_mirror_kit.keras_fit_stall`), and feed the replicas a `make_dataset` dataset in
+  its stored dtype when its `preprocess` runs on the replicas
+  (`keras_mirror_kit.replica_preprocess`).
 
 The `with` form reaches models through `compile()`: while a block is active in a thread,
 `keras.Model.compile` prepares the model it compiled (a class-level wrapper installed the
@@ -37,7 +39,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit import keras_fit_stall, keras_loss_scale
+from keras_mirror_kit import (
+    keras_fit_stall,
+    keras_grad_accumulation,
+    keras_loss_scale,
+    replica_preprocess,
+)
 from keras_mirror_kit.batch_norm import synchronize_batch_norm
 from keras_mirror_kit.distribution import (
     Distribution,
@@ -49,6 +56,7 @@ from keras_mirror_kit.distribution import (
 from keras_mirror_kit.fit_inputs import BatchPlan, check_input, is_array_data, plan_batches
 from keras_mirror_kit.keras_epoch_rounding import check_step_arguments
 from keras_mirror_kit.precision import keep_outputs_float32
+from keras_mirror_kit.schedules import check_accumulation
 
 __all__ = [
     "ModelOptions",
@@ -177,6 +185,33 @@ def _apply_steps_per_execution(model: Any, steps: int | None, name: str) -> None
         config.config["steps_per_execution"] = steps  # so a saved model keeps it
 
 
+def _apply_gradient_accumulation(model: Any, steps: int, name: str) -> None:
+    """Gives the optimizer `distributed(gradient_accumulation_steps=)`, refusing another value."""
+    optimizer = keras_grad_accumulation.accumulating_optimizer(getattr(model, "optimizer", None))
+    if optimizer is None:
+        return
+    given = getattr(optimizer, "gradient_accumulation_steps", None) or 1
+    if given != steps:
+        if given != 1:
+            raise ValueError(
+                f"The optimizer of `{name}` was created with gradient_accumulation_steps="
+                f"{given}, but distributed(gradient_accumulation_steps={steps}) asks for "
+                "another value. Pass it to distributed() only, so that the effective batch "
+                "size and the learning-rate scaling know it. "
+                f"Received: gradient_accumulation_steps={given}"
+            )
+        if optimizer.built:
+            raise ValueError(
+                f"The optimizer of `{name}` is already built, so it cannot accumulate "
+                f"gradients over {steps} steps (its accumulators are created when it is "
+                "built). Do not build it in the factory or block (fit() builds it). "
+                f"Received: gradient_accumulation_steps={steps}"
+            )
+        optimizer.gradient_accumulation_steps = steps  # Keras' own mechanism (and config)
+    check_accumulation(optimizer._learning_rate, steps, name)  # noqa: SLF001
+    keras_grad_accumulation.apply(optimizer)  # runs under the strategy: see that module
+
+
 def _compile_inside_scope(model: keras.Model, dist: Distribution, options: ModelOptions) -> None:
     """Makes a later `model.compile(...)` run inside the strategy's scope, then checks it."""
     original = model.compile
@@ -188,6 +223,7 @@ def _compile_inside_scope(model: keras.Model, dist: Distribution, options: Model
         name = f"compile() of {model.name!r}"
         check_model(model, dist, factory_name=name)
         _apply_steps_per_execution(model, options.steps_per_execution, name)
+        _apply_gradient_accumulation(model, dist.gradient_accumulation_steps, name)
 
     object.__setattr__(model, "compile", compile_in_scope)
 
@@ -232,7 +268,8 @@ def prepare_model(
     Raises:
         TypeError: If `model` is not a `keras.Model`.
         ValueError: If it was built outside the strategy's scope, compiled with another
-            `steps_per_execution` than `distributed()` asks for, or uses float16 loss
+            `steps_per_execution` or an optimizer with another `gradient_accumulation_steps`
+            than `distributed()` asks for, or uses float16 loss
             scaling on several replicas with a Keras version whose `LossScaleOptimizer`
             the kit cannot make agree across replicas (`keras_mirror_kit.keras_loss_scale`).
 
@@ -250,6 +287,7 @@ def prepare_model(
         synchronize_batch_norm(model)
     if model.compiled:
         _apply_steps_per_execution(model, options.steps_per_execution, name)
+        _apply_gradient_accumulation(model, dist.gradient_accumulation_steps, name)
     elif not is_prepared(model):
         _compile_inside_scope(model, dist, options)
     keras_loss_scale.apply(model, dist.strategy)  # float16: every replica agrees on overflow
@@ -374,7 +412,8 @@ def _wrap_methods(model: Any, dist: Distribution) -> None:
             if "callbacks" in given:
                 given["callbacks"] = order_callbacks(given["callbacks"])
             if _method != "fit":
-                return _original(*bound.args, **bound.kwargs)
+                with replica_preprocess.applied(model, _method, given):  # after the checks
+                    return _original(*bound.args, **bound.kwargs)
             callbacks = given.get("callbacks")
             for callback in callbacks if isinstance(callbacks, Sequence) else ():
                 check = getattr(callback, "_kmk_check_fit_data", None)
@@ -390,7 +429,8 @@ def _wrap_methods(model: Any, dist: Distribution) -> None:
             previous = batch_plan(model)
             object.__setattr__(model, _BATCH_PLAN, plan)
             try:
-                return _original(*bound.args, **bound.kwargs)
+                with replica_preprocess.applied(model, _method, given):  # after the checks
+                    return _original(*bound.args, **bound.kwargs)
             except BaseException as exception:  # Ctrl-C too: Keras' fit has no finally
                 notify_fit_exception(callbacks, exception)
                 raise
@@ -398,6 +438,7 @@ def _wrap_methods(model: Any, dist: Distribution) -> None:
                 object.__setattr__(model, _BATCH_PLAN, previous)
 
         object.__setattr__(model, method_name, functools.wraps(original)(wrapper))
+    replica_preprocess.install(model)  # make_dataset's preprocess on the replicas
 
 
 # -- the `with` form ----------------------------------------------------------------------------

@@ -12,6 +12,10 @@ process holds. This module refuses a local port that is already taken, and the
 `keras-mirror-kit launch` command bounds the wait (`--startup-timeout`); when a launcher
 asks for it (`KMK_LAUNCH_READY_FILE`), the file is created once the strategy exists, i.e.
 once the whole cluster has connected.
+
+Under Slurm, `srun` with more than one task (`SLURM_STEP_NUM_TASKS` > 1) and no
+`TF_CONFIG` is a cluster too: `slurm_cluster_resolver` builds TensorFlow's
+`SlurmClusterResolver` from the step's variables, keeping the GPUs Slurm gave each task.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import ipaddress
 import json
 import logging
 import os
+import shutil
 import socket
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +39,12 @@ import tensorflow as tf
 __all__ = [
     "COLLECTIVE_TIMEOUT_ENV",
     "READY_FILE_ENV",
+    "SLURM_PORT_BASE_ENV",
     "TFConfig",
     "create_strategy",
     "parse_tf_config",
+    "slurm_cluster_resolver",
+    "slurm_num_tasks",
     "tf_config_num_workers",
 ]
 
@@ -44,6 +53,15 @@ logger = logging.getLogger("keras_mirror_kit")
 TF_CONFIG_ENV = "TF_CONFIG"
 COLLECTIVE_TIMEOUT_ENV = "KMK_COLLECTIVE_TIMEOUT"
 READY_FILE_ENV = "KMK_LAUNCH_READY_FILE"
+SLURM_PORT_BASE_ENV = "KMK_SLURM_PORT_BASE"
+# Variables SlurmClusterResolver reads (tensorflow/python/distribute/cluster_resolver/
+# slurm_cluster_resolver.py, TF 2.21; it expands the node list itself, without scontrol).
+_SLURM_STEP_VARS = (
+    "SLURM_PROCID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_NODELIST",
+    "SLURM_STEP_TASKS_PER_NODE",
+)
 TRAINING_JOBS = ("chief", "worker")
 KNOWN_JOBS = ("chief", "worker", "evaluator", "ps")
 IMPLEMENTATIONS = ("auto", "ring", "nccl")
@@ -247,10 +265,11 @@ def parse_tf_config(raw: str | None = None) -> TFConfig | None:
 
 
 def tf_config_num_workers() -> int:
-    """Number of training tasks (chief + workers) that `TF_CONFIG` describes.
+    """Number of training tasks (chief + workers) that `TF_CONFIG`, or else Slurm, describes.
 
     Returns:
-        0 when `TF_CONFIG` is unset, else the count of `chief` and `worker` tasks.
+        The count of `chief` and `worker` tasks of `TF_CONFIG`; when it is unset, the tasks
+        of the Slurm job step this process runs in (`slurm_num_tasks`), else 0.
 
     Raises:
         ValueError: When `TF_CONFIG` is set but invalid (see `parse_tf_config`).
@@ -263,7 +282,158 @@ def tf_config_num_workers() -> int:
     ```
     """
     config = parse_tf_config()
-    return 0 if config is None else config.num_workers
+    if config is None:
+        return slurm_num_tasks()
+    return config.num_workers
+
+
+def slurm_num_tasks(environ: Mapping[str, str] | None = None) -> int:
+    """Tasks of the Slurm job step this process is a task of (`srun`), or 0 outside one.
+
+    Args:
+        environ: The environment to read (default: `os.environ`).
+
+    Returns:
+        `SLURM_STEP_NUM_TASKS` when every variable `SlurmClusterResolver` needs is set
+        (`SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_STEP_NODELIST`,
+        `SLURM_STEP_TASKS_PER_NODE`), else 0 (a batch script outside `srun`, no Slurm).
+
+    Example:
+
+    ```python
+    slurm_num_tasks({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2",
+                     "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"})
+    # 2
+    ```
+    """
+    environ = os.environ if environ is None else environ
+    if not all(environ.get(name, "").strip() for name in _SLURM_STEP_VARS):
+        return 0
+    try:
+        return int(environ["SLURM_STEP_NUM_TASKS"])
+    except ValueError:
+        return 0
+
+
+def _slurm_port_base(environ: Mapping[str, str]) -> int:
+    """The first port of this node's tasks: KMK_SLURM_PORT_BASE, srun --resv-ports, job id."""
+    raw = environ.get(SLURM_PORT_BASE_ENV, "").strip()
+    if raw:
+        if not raw.isdigit() or not 0 < int(raw) < 65536:
+            raise ValueError(
+                f"The environment variable {SLURM_PORT_BASE_ENV} must be a port number "
+                f"(1-65535). Received: {SLURM_PORT_BASE_ENV}={raw!r}"
+            )
+        return int(raw)
+    reserved = environ.get("SLURM_STEP_RESV_PORTS", "").strip()  # srun --resv-ports: "a-b"
+    if reserved and reserved.split("-")[0].isdigit():
+        return int(reserved.split("-")[0])
+    job = environ.get("SLURM_JOB_ID", "").strip()
+    # Jobs sharing a node get different ports (8 per job, as many tasks as a node holds).
+    return 20000 + (int(job) % 5000) * 8 if job.isdigit() else 8888
+
+
+def _count_visible_devices(value: str) -> int:
+    """GPUs in CUDA_VISIBLE_DEVICES as CUDA reads it (up to an empty or negative entry)."""
+    count = 0
+    for entry in (part.strip() for part in value.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        count += 1
+    return count
+
+
+def _count_node_gpus() -> int:
+    """The `GPU <i>:` lines of `nvidia-smi -L`; 0 without it or when it fails."""
+    program = shutil.which("nvidia-smi")
+    if program is None:
+        return 0
+    try:
+        listing = subprocess.run(
+            [program, "-L"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    lines = listing.stdout.splitlines() if listing.returncode == 0 else []
+    return sum(1 for line in lines if line.startswith("GPU ") and ":" in line)
+
+
+def slurm_cluster_resolver(environ: Mapping[str, str] | None = None) -> Any:
+    """TensorFlow's `SlurmClusterResolver` for this task, keeping Slurm's GPU allocation.
+
+    When Slurm set `CUDA_VISIBLE_DEVICES` for the task (`--gpus-per-task`, `--gres`), the
+    task keeps exactly those GPUs (TensorFlow's default would divide the task's own list
+    among the tasks of the node and could leave it none). Otherwise the node's GPUs
+    (`nvidia-smi -L`; none without it) are split evenly among its tasks, as
+    `SlurmClusterResolver` does. Ports: `KMK_SLURM_PORT_BASE`, else the start of
+    `SLURM_STEP_RESV_PORTS` (`srun --resv-ports`), else 20000 + 8 x (job id mod 5000); the
+    tasks of a node use consecutive ports from there.
+
+    Args:
+        environ: The environment to read (default: `os.environ`).
+
+    Returns:
+        A `tf.distribute.cluster_resolver.SlurmClusterResolver`.
+
+    Raises:
+        ValueError: Outside a Slurm job step, or on a bad `KMK_SLURM_PORT_BASE`.
+
+    Example:
+
+    ```python
+    resolver = slurm_cluster_resolver()   # inside `srun --ntasks=2 python train.py`
+    resolver.cluster_spec().as_dict()     # {"worker": ["node1:20008", "node2:20008"]}
+    ```
+    """
+    environ = os.environ if environ is None else environ
+    if not slurm_num_tasks(environ):
+        missing = [name for name in _SLURM_STEP_VARS if not environ.get(name, "").strip()]
+        raise ValueError(
+            "This process is not a task of a Slurm job step (run it with srun): "
+            f"{', '.join(missing) or 'SLURM_STEP_NUM_TASKS'} is missing or invalid. "
+            f"Received: {', '.join(f'{n}={environ.get(n)!r}' for n in _SLURM_STEP_VARS)}"
+        )
+    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm
+
+    per_node = slurm.expand_tasks_per_node(environ["SLURM_STEP_TASKS_PER_NODE"])
+    max_tasks = max(per_node)
+    port_base = _slurm_port_base(environ)
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    node_gpus = _count_node_gpus() if visible is None else 0
+    if visible is None and node_gpus >= max_tasks:  # the node's GPUs, split by TensorFlow
+        return slurm.SlurmClusterResolver(
+            port_base=port_base, gpus_per_node=node_gpus, gpus_per_task=node_gpus // max_tasks
+        )
+    # Slurm's allocation for this task, left as it is (none: -1, or no GPU on the node).
+    return _SlurmTaskResolver(
+        0 if visible is None else _count_visible_devices(visible), max_tasks, port_base
+    )
+
+
+class _SlurmTaskResolver(tf.distribute.cluster_resolver.SlurmClusterResolver):
+    """`SlurmClusterResolver` with this task's GPUs as given (none included).
+
+    TensorFlow's resolver places tasks by stepping through the node's GPUs by
+    `gpus_per_task` (`range(0, gpus_per_node, gpus_per_task)`), which fails for tasks
+    without a GPU; here every task counts one GPU for that placement and reports its own
+    number of GPUs to the strategy. `CUDA_VISIBLE_DEVICES` is not changed.
+    """
+
+    def __init__(self, gpus: int, max_tasks_per_node: int, port_base: int) -> None:
+        placed = max(gpus, 1)
+        super().__init__(
+            port_base=port_base,
+            gpus_per_node=placed * max_tasks_per_node,
+            gpus_per_task=placed,
+            auto_set_gpu=False,
+        )
+        self._task_gpus = gpus
+
+    def num_accelerators(
+        self, task_type: Any = None, task_id: Any = None, config_proto: Any = None
+    ) -> dict[str, int]:
+        """This task's GPUs, as Slurm allocated them."""
+        return {"GPU": self._task_gpus}
 
 
 def _local_host_names() -> set[str]:
@@ -431,6 +601,9 @@ def create_strategy(
     implementation = _implementation(cross_device_ops)
     timeout = _collective_timeout(collective_timeout_s)
     keras_workarounds.mode()  # a bad KMK_KERAS_WORKAROUND fails now, not after connecting
+    if cluster_resolver is None and parse_tf_config() is None and slurm_num_tasks() > 1:
+        cluster_resolver = slurm_cluster_resolver()  # srun with several tasks
+        logger.info("keras-mirror-kit: a Slurm job step: using SlurmClusterResolver")
     if cluster_resolver is None:
         config = parse_tf_config()
         source = "TF_CONFIG"

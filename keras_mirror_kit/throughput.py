@@ -22,6 +22,11 @@ nothing are not reported rather than reported as zero or infinity.
 Multi-worker: the rates are global because each synchronous step consumes one global batch
 on every worker at once; given `num_workers > 1`, the meter also reports
 `samples_per_sec_per_worker`.
+
+FLOP/s and MFU: once told the FLOPs of one training sample (`set_flops`), the figures also
+hold `flops_per_sec` (`samples_per_sec x flops_per_sample`) and `flops_per_sec_per_replica`,
+and, told the peak FLOP/s of all the devices the replicas run on, `mfu` (model FLOPs
+utilisation: `flops_per_sec / peak`, 1.0 being the hardware's peak).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 
 from keras_mirror_kit.batching import validate_non_negative_int, validate_positive_int
 
-__all__ = ["FIGURE_KEYS", "ThroughputMeter", "validate_baseline"]
+__all__ = ["FIGURE_KEYS", "FLOP_KEYS", "ThroughputMeter", "validate_baseline"]
 
 #: Keys of the figures dict, in the order they are reported.
 FIGURE_KEYS = (
@@ -43,6 +48,9 @@ FIGURE_KEYS = (
     "steps_per_sec",
     "step_time_ms",
 )
+
+#: Keys added once the FLOPs per sample are known (`mfu` only with a peak), in this order.
+FLOP_KEYS = ("flops_per_sec", "flops_per_sec_per_replica", "mfu")
 
 _IDLE, _RUNNING, _PAUSED = "idle", "running", "paused"
 
@@ -109,9 +117,10 @@ class ThroughputMeter:
     `samples_per_sec_per_worker` when `num_workers > 1` (workers step together, so each
     worker's clock gives the global rate), and
     `scaling_efficiency` when `baseline_samples_per_sec` is given: `samples_per_sec /
-    (num_replicas * baseline_samples_per_sec)`, 1.0 meaning perfect linear scaling.
-    Every step processes `global_batch_size` samples unless `step(samples=...)` says how many
-    (a smaller last batch).
+    (num_replicas * baseline_samples_per_sec)`, 1.0 meaning perfect linear scaling. With
+    `flops_per_sample`: `flops_per_sec` and `flops_per_sec_per_replica`; with `peak_flops`
+    too: `mfu` (`flops_per_sec / peak_flops`). Every step processes `global_batch_size`
+    samples unless `step(samples=...)` says how many (a smaller last batch).
 
     Args:
         global_batch_size: Samples per step over all replicas.
@@ -125,12 +134,15 @@ class ThroughputMeter:
             `samples_per_sec_per_worker` when above 1.
         clock: Function returning seconds as a float, monotonic; `time.perf_counter` by
             default (a fake one in tests).
+        flops_per_sample: FLOPs of one training sample; enables the FLOP figures (also
+            settable later with `set_flops`).
+        peak_flops: Peak FLOP/s of all the replicas' devices together; enables `mfu`.
 
     Raises:
-        TypeError: If a count is not an integer, the baseline not a number or `clock` not
-            callable.
-        ValueError: If a count is not positive (`warmup_steps` may be 0) or the baseline
-            is not positive and finite.
+        TypeError: If a count is not an integer, the baseline, FLOPs or peak not a number
+            or `clock` not callable.
+        ValueError: If a count is not positive (`warmup_steps` may be 0) or the baseline,
+            FLOPs or peak is not positive and finite.
 
     Example:
 
@@ -156,6 +168,8 @@ class ThroughputMeter:
         baseline_samples_per_sec: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
         num_workers: int = 1,
+        flops_per_sample: float | None = None,
+        peak_flops: float | None = None,
     ) -> None:
         self._global_batch_size = validate_positive_int("global_batch_size", global_batch_size)
         self._num_replicas = validate_positive_int("num_replicas", num_replicas)
@@ -175,6 +189,9 @@ class ThroughputMeter:
         self._warmup = _Tally()
         self._paused_seconds = 0.0
         self._pause_began = 0.0
+        self._flops_per_sample: float | None = None
+        self._peak_flops: float | None = None
+        self.set_flops(flops_per_sample, peak_flops)
 
     @property
     def global_batch_size(self) -> int:
@@ -195,6 +212,42 @@ class ThroughputMeter:
     def baseline_samples_per_sec(self) -> float | None:
         """The 1-replica samples/s that `scaling_efficiency` compares with, or None."""
         return self._baseline
+
+    @property
+    def flops_per_sample(self) -> float | None:
+        """FLOPs of one training sample (`set_flops`), or None: no FLOP figures."""
+        return self._flops_per_sample
+
+    @property
+    def peak_flops(self) -> float | None:
+        """Peak FLOP/s of all the replicas' devices together (`set_flops`), or None: no MFU."""
+        return self._peak_flops
+
+    def set_flops(self, flops_per_sample: float | None, peak_flops: float | None = None) -> None:
+        """Adds FLOP/s (and MFU, with a peak) to the figures from now on, for every tally.
+
+        Args:
+            flops_per_sample: FLOPs of one training sample (forward and backward); None
+                removes the FLOP figures.
+            peak_flops: Peak FLOP/s of all the devices the replicas run on together (one
+                GPU's peak times the GPUs; a CPU's roof once, however many replicas share
+                it); None: no `mfu`.
+
+        Returns:
+            None.
+
+        Raises:
+            TypeError: If a value is not a real number.
+            ValueError: If a value is not positive and finite.
+
+        Example:
+
+        ```python
+        meter.set_flops(6.0e6, peak_flops=2 * 312e12)   # 2 A100s in bfloat16
+        ```
+        """
+        self._flops_per_sample = _positive("flops_per_sample", flops_per_sample)
+        self._peak_flops = _positive("peak_flops", peak_flops)
 
     @property
     def in_warmup(self) -> bool:
@@ -483,6 +536,10 @@ class ThroughputMeter:
         )
         if "scaling_efficiency" in s:
             line += f", scaling efficiency {s['scaling_efficiency']:.1%}"
+        if "flops_per_sec" in s:
+            line += f", {s['flops_per_sec'] / 1e9:.3g} GFLOP/s"
+            if "mfu" in s:
+                line += f" (MFU {s['mfu']:.1%})"
         return f"{line}; {excluded}"
 
     def _restart_clock(self) -> None:
@@ -505,4 +562,24 @@ class ThroughputMeter:
             figures["samples_per_sec_per_worker"] = samples_per_sec / self._num_workers
         if self._baseline is not None:
             figures["scaling_efficiency"] = samples_per_sec / (self._num_replicas * self._baseline)
+        if self._flops_per_sample is not None:
+            flops_per_sec = samples_per_sec * self._flops_per_sample
+            figures["flops_per_sec"] = flops_per_sec
+            figures["flops_per_sec_per_replica"] = flops_per_sec / self._num_replicas
+            if self._peak_flops is not None:
+                figures["mfu"] = flops_per_sec / self._peak_flops
         return figures
+
+
+def _positive(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"`{name}` must be a positive number or None. Received: {name}={value!r} "
+            f"(of type {type(value).__name__})"
+        )
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive, finite number. Received: {name}={value}")
+    return value

@@ -4,24 +4,37 @@ Usage: python -m tests.ckpt_child DIR OUT_NPZ [--epochs N] [--save-freq F]
            [--pause-at K --pause-mode partial|after-tmp|after-replace --marker PATH]
            [--step-marker K --marker PATH [--block-at-marker]]
            [--fsize-limit-after-epoch E --fsize-limit BYTES] [--read-only-after-epoch E]
-           [--fill-disk-after-epoch E --fill-path PATH]
+           [--fill-disk-after-epoch E --fill-path PATH] [--async-save]
 
 --pause-at K stops inside the K-th atomic file write of the checkpoint store (odd K: a
-checkpoint file, even K: the manifest that follows it) and waits to be killed.
+checkpoint file, even K: the manifest that follows it) and waits to be killed (with
+--async-save, in the background thread that writes it, while training goes on).
 --step-marker K writes the marker once training step K (counted from 1 in this process)
 has ended, after the checkpoint callback's turn for that step. With --block-at-marker it
 then waits there to be killed; without, it trains on and waits at the end of training,
 so a kill sent after the marker lands between step K and the end, never after a normal
 exit. The final RESULT line lists every atomic write ("writes": file names, in order) and
-the global step of every checkpoint written ("saves").
+the global step of every checkpoint written ("saves", from each save's metadata).
+--async-save runs SyncedCheckpoint(async_save=True); the disk-full, read-only and full-disk
+switches then first wait for the epoch's checkpoint to be written, as a synchronous save
+would have.
 --fill-disk-after-epoch E fills the filesystem holding --fill-path after epoch E's
 checkpoint, until a 1-byte write fails with ENOSPC: the next save meets a full disk.
+--preempt-after-step G writes the marker once the optimizer's step G has ended and trains
+on; before the run's last step it waits until SyncedCheckpoint has seen a stop signal, so
+a SIGTERM sent after the marker always lands in training. On `Preempted` the RESULT line
+says where it stopped ("preempted": saved epoch, batch, step; "iterations"; "observed":
+the step count when a batch began with the signal seen; the longest step after the first
+and the last save, in seconds) and the exit status is 75.
+--accumulate N builds the model with distributed(gradient_accumulation_steps=N)
+(`tests.accum_helpers`): one optimizer update every N training steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import io
 import json
 import os
 import resource
@@ -48,6 +61,9 @@ def main() -> int:
     parser.add_argument("--block-at-marker", action="store_true")
     parser.add_argument("--fill-disk-after-epoch", type=int)
     parser.add_argument("--fill-path")
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--preempt-after-step", type=int)
+    parser.add_argument("--accumulate", type=int, default=1)
     args = parser.parse_args()
 
     import keras
@@ -55,22 +71,27 @@ def main() -> int:
 
     from keras_mirror_kit import checkpoint_store
     from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
+    from keras_mirror_kit.callbacks.synced_checkpoint.preemption import Preempted
     from tests.ckpt_helpers import build, dataset
 
-    real_write = checkpoint_store.atomic_write_bytes
+    real_write = checkpoint_store.atomic_write
+    real_store_write = checkpoint_store.CheckpointStore.write
     writes: list[str] = []
     saves: list[int] = []
-    model = None
+    free_after_fill: list[int] = []  # free blocks once the disk was filled
 
-    def recording_write(path, data):
+    def recording_write(path, write):
         writes.append(path.name)
-        if path.name.startswith("ckpt-") and model is not None:
-            saves.append(int(model.optimizer.iterations.numpy()))
         if len(writes) == args.pause_at:
-            pause(path, data)
-        return real_write(path, data)
+            pause(path, write)
+        return real_write(path, write)
 
-    checkpoint_store.atomic_write_bytes = recording_write
+    def recording_store_write(self, arrays, meta, *more, **options):
+        saves.append(int(meta["global_step"]))  # the step the state was read at
+        return real_store_write(self, arrays, meta, *more, **options)
+
+    checkpoint_store.atomic_write = recording_write
+    checkpoint_store.CheckpointStore.write = recording_store_write
 
     def mark(text: str) -> None:
         tmp = f"{args.marker}.tmp"
@@ -82,7 +103,10 @@ def main() -> int:
         while True:
             time.sleep(1)
 
-    def pause(path, data):
+    def pause(path, write):
+        buffer = io.BytesIO()
+        write(buffer)  # the bytes the real write would have streamed
+        data = buffer.getvalue()
         tmp = path.with_name(f".{path.name}.{os.urandom(4).hex()}.tmp")
         if args.pause_mode == "partial":
             with open(tmp, "wb") as handle:
@@ -93,17 +117,37 @@ def main() -> int:
                 handle.flush()
                 os.fsync(handle.fileno())
         else:  # after-replace
-            real_write(path, data)
+            real_write(path, lambda handle: handle.write(data))
         mark(str(path))
         wait_to_be_killed()  # killed here
+
+    timing = {"step_s": 0.0, "save_s": 0.0, "observed": None}
 
     class Limits(keras.callbacks.Callback):
         def __init__(self) -> None:
             super().__init__()
             self.steps = 0
 
+        def on_train_batch_begin(self, batch, logs=None):
+            self.began = time.monotonic()
+            if args.preempt_after_step is None:
+                return
+            done = int(self.model.optimizer.iterations.numpy())
+            guard = checkpoint._preemption
+            if done == args.epochs * 6 - 1:  # the last step: only once a signal was seen
+                deadline = time.monotonic() + 240
+                while guard.requested is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            if guard.requested is not None and timing["observed"] is None:
+                timing["observed"] = done
+
         def on_train_batch_end(self, batch, logs=None):
+            if self.steps:  # the longest step after the first (which traces the function)
+                timing["step_s"] = max(timing["step_s"], time.monotonic() - self.began)
             self.steps += 1
+            if args.preempt_after_step is not None:
+                if int(self.model.optimizer.iterations.numpy()) == args.preempt_after_step:
+                    mark(str(args.preempt_after_step))
             if self.steps == args.step_marker:
                 mark(str(self.steps))
                 if args.block_at_marker:
@@ -114,8 +158,15 @@ def main() -> int:
                 wait_to_be_killed()
 
         def on_epoch_end(self, epoch, logs=None):
+            if epoch in (
+                args.fill_disk_after_epoch,
+                args.fsize_limit_after_epoch,
+                args.read_only_after_epoch,
+            ):
+                checkpoint.wait_for_pending_save()  # epoch's checkpoint written (async)
             if epoch == args.fill_disk_after_epoch:
                 fill(args.fill_path)
+                free_after_fill.append(os.statvfs(args.fill_path).f_bavail)
             if epoch == args.fsize_limit_after_epoch:
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
                 resource.setrlimit(resource.RLIMIT_FSIZE, (args.fsize_limit, args.fsize_limit))
@@ -126,10 +177,37 @@ def main() -> int:
                     os.setuid(65534)
 
     save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
-    model, ds = build("adam"), dataset()
-    checkpoint = SyncedCheckpoint(args.directory, save_freq=save_freq, dataset=ds)
+    if args.accumulate > 1:
+        from tests.accum_helpers import build_accumulating
+
+        model, ds = build_accumulating("adam", args.accumulate), dataset()
+    else:
+        model, ds = build("adam"), dataset()
+    checkpoint = SyncedCheckpoint(
+        args.directory, save_freq=save_freq, dataset=ds, async_save=args.async_save
+    )
+    real_save = checkpoint._save
+
+    def timed_save(*a, **k):
+        began = time.monotonic()
+        real_save(*a, **k)
+        timing["save_s"] = time.monotonic() - began
+
+    checkpoint._save = timed_save
     try:
         model.fit(ds, epochs=args.epochs, verbose=0, callbacks=[checkpoint, Limits()])
+    except Preempted as stop:
+        stopped = {
+            "preempted": [stop.epoch, stop.step, stop.global_step],
+            "signal": stop.signal_name,
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "restored_step": None
+            if checkpoint.last_restored is None
+            else checkpoint.last_restored.meta["global_step"],
+            **timing,
+        }
+        print("RESULT " + json.dumps(stopped), flush=True)
+        raise
     except OSError as err:
         print(
             "RESULT "
@@ -140,6 +218,8 @@ def main() -> int:
                     "errno": err.errno,
                     "writes": writes,
                     "saves": saves,
+                    "iterations": int(model.optimizer.iterations.numpy()),
+                    "free_after_fill": free_after_fill,
                 }
             )
         )

@@ -12,12 +12,17 @@ on a laptop; what the kit does with GPUs is tested with fake device tables.
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["WANDB_MODE"] = "offline"  # also for users who export WANDB_MODE=online
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.pop("KMK_SIMULATE_REPLICAS", None)
 os.environ.pop("TF_CONFIG", None)
+for _name in [n for n in os.environ if n.startswith("SLURM_")]:  # the suite under srun too
+    del os.environ[_name]
+# A CPU roof a developer stored with `bench --roof` would add `mfu` to every monitor's logs.
+os.environ["KMK_ROOF_FILE"] = os.path.join(tempfile.mkdtemp(prefix="kmk-roof-"), "roof.json")
 os.environ["CUDA_VISIBLE_DEVICES"] = "-1"  # before TensorFlow loads CUDA; children inherit it
 os.environ["HIP_VISIBLE_DEVICES"] = "-1"
 

@@ -5,12 +5,23 @@ Usage: python -m tests.mw_child OUT_DIR [--epochs N] [--ckpt DIR] [--save-freq F
            [--die-rank R --die-epoch E --die-at-batch B [--die-exit-0]]
            [--delay-rank R --delay S]
            [--spawn-grandchild] [--probe-upstream]
+           [--tiny] [--mark-step K[,K...]] [--hold-last-step FILE]
+           [--preemption-signals SIGTERM,SIGUSR1]
 
 Trains the CIFAR-10 CNN on a little synthetic data with `kmk.distributed` and
 `kmk.make_dataset`, one process per worker (TF_CONFIG from the launcher) or a single
 process with KMK_SIMULATE_REPLICAS=2. Each process writes OUT_DIR/result-<rank>.json (what
 it saw: chief-ness, replicas, losses, every file it wrote, renamed or deleted) and
 OUT_DIR/weights-<rank>.npz (initial weights and weights after each epoch).
+
+For the preemption and restart tests: --tiny trains a one-layer model instead of the CNN
+(the same data and order); --mark-step K writes OUT_DIR/reached-<attempt>-<rank> once this
+process has trained K steps (<attempt>: KMK_LAUNCH_RESTART_COUNT, 0 outside the launcher;
+a list gives each attempt its own K); --hold-last-step FILE waits, before the last step of
+training, until FILE exists ("{attempt}" in FILE replaced), so that a signal sent before
+FILE is created lands in training. On
+`Preempted` (a save on a stop signal) OUT_DIR/preempted-<attempt>-<rank>.json says where it
+stopped, and the process exits with status 75.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 def _rank() -> int:
     raw = os.environ.get("TF_CONFIG")
     if not raw:
-        return 0
+        return int(os.environ.get("SLURM_PROCID", "0"))  # a Slurm task, or one process
     config = json.loads(raw)
     task, chiefs = config["task"], len(config["cluster"].get("chief", []))
     return 0 if task["type"] == "chief" else chiefs + int(task["index"])
@@ -75,8 +86,15 @@ def main() -> int:
         "--observe",
         help="add ThroughputMonitor and an offline WandbLogger writing under this directory",
     )
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--mark-step", default="")
+    parser.add_argument("--hold-last-step")
+    parser.add_argument("--preemption-signals", default="SIGTERM")
     args = parser.parse_args()
     rank = _rank()
+    attempt = os.environ.get("KMK_LAUNCH_RESTART_COUNT", "0")
+    marks = [int(k) for k in args.mark_step.split(",") if k]
+    mark_at = marks[int(attempt)] if int(attempt) < len(marks) else None
     result: dict = {"rank": rank, "pid": os.getpid()}
     if args.spawn_grandchild:
         grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -95,12 +113,22 @@ def main() -> int:
     import keras_mirror_kit as kmk
     from keras_mirror_kit import keras_workarounds
     from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
+    from keras_mirror_kit.callbacks.synced_checkpoint.preemption import Preempted
     from keras_mirror_kit.datasets import make_synthetic_cifar10
 
     @kmk.distributed(global_batch_size=GLOBAL_BATCH)
     def build():
         keras.utils.set_random_seed(INIT_SEED)
-        model = kmk.models.tutorial_cnn()  # the tutorial's CIFAR-10 CNN
+        if args.tiny:
+            model = keras.Sequential(
+                [
+                    keras.Input((32, 32, 3)),
+                    keras.layers.Flatten(),
+                    keras.layers.Dense(10, activation="softmax"),
+                ]
+            )
+        else:
+            model = kmk.models.tutorial_cnn()  # the tutorial's CIFAR-10 CNN
         model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
             loss="sparse_categorical_crossentropy",
@@ -138,6 +166,7 @@ def main() -> int:
     weights: dict[str, np.ndarray] = {f"init_{i}": w for i, w in enumerate(model.get_weights())}
     dataset = kmk.make_dataset(x, y, GLOBAL_BATCH, seed=ORDER_SEED, preprocess=kmk.rescale())
     losses: list[float] = []
+    timing = {"step_s": 0.0, "save_s": 0.0}
     epochs_run: list[int] = []
 
     class Record(keras.callbacks.Callback):
@@ -145,7 +174,21 @@ def main() -> int:
             epochs_run.append(epoch)
             self.epoch = epoch
 
+        def on_train_batch_begin(self, batch, logs=None):
+            self.began = time.monotonic()
+            if args.hold_last_step and self.model.optimizer.iterations.numpy() == last_step:
+                hold = args.hold_last_step.replace("{attempt}", attempt)
+                deadline = time.monotonic() + 300
+                while not os.path.exists(hold) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+
         def on_train_batch_end(self, batch, logs=None):
+            self.trained = getattr(self, "trained", 0) + 1
+            if self.trained > 1:  # the longest step after the first (which traces)
+                timing["step_s"] = max(timing["step_s"], time.monotonic() - self.began)
+            if self.trained == mark_at:
+                with open(os.path.join(args.out, f"reached-{attempt}-{rank}"), "w") as handle:
+                    handle.write(str(int(self.model.optimizer.iterations.numpy())))
             losses.append(float(logs["loss"]))
             if args.die_rank == rank and (self.epoch, batch) == (
                 args.die_epoch,
@@ -189,10 +232,44 @@ def main() -> int:
         args.ckpt = args.ckpt.replace("{rank}", str(rank))  # a per-worker (unshared) dir
         save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
         callbacks.insert(
-            0, SyncedCheckpoint(args.ckpt, save_freq=save_freq, keep=100, dataset=dataset)
+            0,
+            SyncedCheckpoint(
+                args.ckpt,
+                save_freq=save_freq,
+                keep=100,
+                dataset=dataset,
+                preemption_signals=[s for s in args.preemption_signals.split(",") if s],
+            ),
         )
         _watch_writes(events)
-    model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
+        real_save = callbacks[0]._save
+
+        def timed_save(*a, **k):
+            began = time.monotonic()
+            real_save(*a, **k)
+            timing["save_s"] = time.monotonic() - began
+
+        callbacks[0]._save = timed_save
+    last_step = args.epochs * (NUM_TRAIN // GLOBAL_BATCH) - 1
+    fit_began = time.monotonic()
+    try:
+        model.fit(dataset, epochs=args.epochs, verbose=0, callbacks=callbacks)
+        timing["fit_s"] = time.monotonic() - fit_began
+    except Preempted as stop:
+        with open(os.path.join(args.out, f"preempted-{attempt}-{rank}.json"), "w") as handle:
+            json.dump(
+                {
+                    "saved": [stop.epoch, stop.step, stop.global_step],
+                    "signal": stop.signal_name,
+                    "iterations": int(model.optimizer.iterations.numpy()),
+                    **timing,
+                    "restored_from": callbacks[0].last_restored.meta["global_step"]
+                    if callbacks[0].last_restored is not None
+                    else None,
+                },
+                handle,
+            )
+        raise
     ckpt_dir = os.path.abspath(args.ckpt) if args.ckpt else None
     ckpt_events = [
         e for e in list(events) if any(os.path.abspath(p).startswith(ckpt_dir) for p in e[1:])
@@ -201,6 +278,7 @@ def main() -> int:
         losses=losses,
         epochs_run=epochs_run,
         iterations=int(model.optimizer.iterations.numpy()),
+        timing=timing,
         ckpt_events=ckpt_events,
         restored_from=(
             {k: callbacks[0].last_restored.meta[k] for k in ("epoch", "step", "global_step")}

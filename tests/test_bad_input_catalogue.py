@@ -21,6 +21,7 @@ How to add a case (one entry in `CASES`, one row in docs/reliability.md's table)
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,20 +202,21 @@ def checkpoint_of_another_optimizer(tmp: Path):
     ds = kmk.make_dataset(X, Y, 16, seed=0)
     momentum = with_optimizer(lambda: keras.optimizers.SGD(0.01, momentum=0.9))
     momentum.fit(ds, epochs=1, verbose=0, callbacks=[kmk.SyncedCheckpoint(tmp, dataset=ds)])
-    fit(with_optimizer(keras.optimizers.RMSprop), [kmk.SyncedCheckpoint(tmp, dataset=ds)],
-        data=ds)
+    fit(with_optimizer(keras.optimizers.RMSprop), [kmk.SyncedCheckpoint(tmp, dataset=ds)], data=ds)
 
 
 def fit_on_another_dataset_than_the_checkpoints(tmp: Path):
     given = kmk.make_dataset(X, Y, 16, seed=0)
-    fit(kit_model(), [kmk.SyncedCheckpoint(tmp, dataset=given)],
-        data=kmk.make_dataset(X, Y, 16, seed=0))
+    fit(
+        kit_model(),
+        [kmk.SyncedCheckpoint(tmp, dataset=given)],
+        data=kmk.make_dataset(X, Y, 16, seed=0),
+    )
 
 
 def checkpoint_dataset_with_steps_per_epoch():
     ds = kmk.make_dataset(X, Y, 16, seed=0)
-    fit(kit_model(), [kmk.SyncedCheckpoint("c", dataset=ds)], steps_per_epoch=2,
-        data=ds.repeat())
+    fit(kit_model(), [kmk.SyncedCheckpoint("c", dataset=ds)], steps_per_epoch=2, data=ds.repeat())
 
 
 def restore_false_over_old_checkpoints(tmp: Path):
@@ -280,6 +282,16 @@ if FITTED:
     REPORT["iterations"] = int(keras.ops.convert_to_numpy(FITTED[0].optimizer.iterations))
 print("RESULT " + json.dumps(REPORT), flush=True)
 """
+
+
+def optimizer_with_other_accumulation():
+    @kmk.distributed(per_replica_batch_size=8, gradient_accumulation_steps=4)
+    def build():
+        model = models.sequential()
+        model.compile(optimizer=keras.optimizers.SGD(gradient_accumulation_steps=2), loss="mse")
+        return model
+
+    return build()
 
 
 def qualified_name(error: type[BaseException]) -> str:
@@ -610,6 +622,78 @@ CASES = [
         lambda: kmk.datasets.load_cifar10(cache_dir="/nonexistent-kmk", download=False),
         kmk.datasets.CIFAR10NotAvailableError,
         "download=False",
+    ),
+    Case(
+        "make_dataset with an unknown preprocess_on",
+        lambda: kmk.make_dataset(X, Y, 16, preprocess_on="gpu"),
+        ValueError,
+        "preprocess_on='gpu'",
+    ),
+    Case(
+        "make_dataset(preprocess_on='replica') without a preprocess",
+        lambda: kmk.make_dataset(X, Y, 16, preprocess_on="replica"),
+        ValueError,
+        "no `preprocess` was given",
+    ),
+    Case(
+        "an uncatchable preemption signal",
+        lambda tmp: kmk.SyncedCheckpoint(tmp, preemption_signals=[signal.SIGKILL]),
+        ValueError,
+        "SIGKILL cannot be caught",
+        needs_tmp=True,
+    ),
+    Case(
+        "an unknown preemption signal name",
+        lambda tmp: kmk.SyncedCheckpoint(tmp, preemption_signals=["SIGNOPE"]),
+        ValueError,
+        "unknown signal 'SIGNOPE'",
+        needs_tmp=True,
+    ),
+    Case(
+        "one preemption signal instead of a list",
+        lambda tmp: kmk.SyncedCheckpoint(tmp, preemption_signals=signal.SIGTERM),
+        TypeError,
+        "must be a list or tuple of signals",
+        needs_tmp=True,
+    ),
+    Case(
+        "async_save that is not a bool",
+        lambda tmp: kmk.SyncedCheckpoint(tmp, async_save="yes"),
+        TypeError,
+        "async_save='yes'",
+        needs_tmp=True,
+    ),
+    Case(
+        "keep_best with an unknown mode",
+        lambda tmp: kmk.SyncedCheckpoint(tmp, keep_best=2, monitor="val_loss", mode="up"),
+        ValueError,
+        "mode='up'",
+        needs_tmp=True,
+    ),
+    Case(
+        "restore from a directory that does not exist",
+        lambda tmp: kmk.restore(plain_model(), tmp / "nope"),
+        kmk.CheckpointError,
+        "There is no checkpoint directory",
+        needs_tmp=True,
+    ),
+    Case(
+        "zero gradient accumulation steps",
+        lambda: kmk.distributed(8, gradient_accumulation_steps=0),
+        ValueError,
+        "gradient_accumulation_steps=0",
+    ),
+    Case(
+        "optimizer created with another gradient_accumulation_steps",
+        optimizer_with_other_accumulation,
+        ValueError,
+        "distributed(gradient_accumulation_steps=4) asks for another value",
+    ),
+    Case(
+        "ThroughputMonitor with a non-positive FLOP count",
+        lambda: kmk.ThroughputMonitor(flops_per_sample=0),
+        ValueError,
+        "`flops_per_sample` must be a positive, finite number",
     ),
 ]
 

@@ -1,5 +1,11 @@
 """Real failures of a training subprocess: SIGKILL during checkpoint writes, disk full,
-a directory that turns read-only. Every wait is bounded; every process is reaped."""
+a directory that turns read-only. Every wait is bounded; every process is reaped.
+
+Each kind of failure runs with synchronous saves and with `async_save=True` (the write in a
+background thread while training goes on): all ten seeded kills with synchronous saves,
+three with asynchronous ones (KMK_ASYNC_SIGKILL_TRIALS=10, or
+benchmarks/checkpoint_sigkill_trials.py, runs all ten).
+"""
 
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from tests.subproc import REPO, last_json
 EPOCHS = 3  # 6 batches each, 18 optimizer steps; save every 4 batches
 
 
-def child(directory, out, *extra, wait=True):
+def child(directory, out, *extra, wait=True, async_save=False):
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -39,6 +45,7 @@ def child(directory, out, *extra, wait=True):
         "--save-freq",
         "4",
         *map(str, extra),
+        *(["--async-save"] if async_save else []),
     ]
     proc = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -77,16 +84,21 @@ def reference(reference_run):
 
 
 @pytest.mark.parametrize(
-    ("pause_at", "mode"),
+    ("pause_at", "mode", "async_save"),
     [
-        (1, "partial"),  # half of the first checkpoint file written
-        (3, "after-tmp"),  # second checkpoint complete in its temp file, not replaced
-        (4, "after-tmp"),  # checkpoint in place, its manifest not yet replaced
-        (6, "after-replace"),  # third checkpoint and manifest written, killed right after
-        (7, "partial"),  # half of the checkpoint at the end of epoch 1 ... and so on
+        (1, "partial", False),  # half of the first checkpoint file written
+        (3, "after-tmp", False),  # second checkpoint complete in its temp file, not replaced
+        (4, "after-tmp", False),  # checkpoint in place, its manifest not yet replaced
+        (6, "after-replace", False),  # third checkpoint and manifest written, killed then
+        (7, "partial", False),  # half of the checkpoint at the end of epoch 1 ... and so on
+        # Inside a background write, training going on meanwhile (more: the seeded kills).
+        (4, "after-tmp", True),
     ],
+    ids=lambda value: ("sync", "async")[value] if isinstance(value, bool) else str(value),
 )
-def test_sigkill_during_a_checkpoint_write_then_resume(tmp_path, reference, pause_at, mode):
+def test_sigkill_during_a_checkpoint_write_then_resume(
+    tmp_path, reference, pause_at, mode, async_save
+):
     directory, marker = tmp_path / "ckpt", tmp_path / "marker"
     proc = child(
         directory,
@@ -98,6 +110,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume(tmp_path, reference, paus
         "--marker",
         marker,
         wait=False,
+        async_save=async_save,
     )
     try:
         deadline = time.monotonic() + 240
@@ -114,7 +127,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume(tmp_path, reference, paus
     if mode != "after-replace":
         assert leftovers  # the kill really left a half-done write behind
 
-    resumed = child(directory, tmp_path / "w.npz")
+    resumed = child(directory, tmp_path / "w.npz", async_save=async_save)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     result = last_json(resumed)
     assert result["iterations"] == EPOCHS * 6
@@ -130,13 +143,26 @@ def _manifest(directory: Path):
     return json.loads((directory / "manifest.json").read_text())
 
 
-def test_disk_full_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(tmp_path):
+ASYNC = pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+
+
+@ASYNC
+def test_disk_full_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(
+    tmp_path, async_save
+):
     directory = tmp_path / "ckpt"
     # After epoch 0's checkpoint (~6 KB), files may not grow past 2 KB: the next save fails.
-    proc = child(directory, tmp_path / "w.npz", "--fsize-limit-after-epoch", 0)
+    proc = child(
+        directory, tmp_path / "w.npz", "--fsize-limit-after-epoch", 0, async_save=async_save
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     result = last_json(proc)
     assert result["error"] == "CheckpointWriteError"
+    assert result["saves"] == [4, 6, 8]  # the save of step 8 failed ...
+    if async_save:  # ... in the background: raised at a following step, before step 13
+        assert 9 <= result["iterations"] <= 12
+    else:
+        assert result["iterations"] == 8
     assert (
         "File too large" in result["message"]
         and "Earlier checkpoints are intact" in (result["message"])
@@ -177,8 +203,9 @@ def small_tmpfs(tmp_path):
             subprocess.run(["umount", "-l", str(mount_point)], capture_output=True)
 
 
+@ASYNC
 def test_a_really_full_disk_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(
-    tmp_path, small_tmpfs, reference
+    tmp_path, small_tmpfs, reference, async_save
 ):
     """ENOSPC, not a simulation: after epoch 0's checkpoint the child fills the tmpfs that
     holds the checkpoint directory, so the next save meets a full disk."""
@@ -187,11 +214,18 @@ def test_a_really_full_disk_during_a_save_is_a_clear_error_and_keeps_earlier_che
     directory = small_tmpfs / "ckpt"
     filler = small_tmpfs / "filler"
     proc = child(
-        directory, tmp_path / "w.npz", "--fill-disk-after-epoch", 0, "--fill-path", filler
+        directory,
+        tmp_path / "w.npz",
+        "--fill-disk-after-epoch",
+        0,
+        "--fill-path",
+        filler,
+        async_save=async_save,
     )
     assert proc.returncode == 3, proc.stderr[-3000:]
     result = last_json(proc)
-    assert os.statvfs(small_tmpfs).f_bavail == 0  # the disk really is full
+    # The disk really was full (now the run's writer.lock is gone: a block came free).
+    assert result["free_after_fill"] == [0]
     assert (result["error"], result["errno"]) == ("CheckpointWriteError", errno.ENOSPC)
     assert "Could not write checkpoint" in result["message"]
     assert "No space left on device" in result["message"]
@@ -220,13 +254,16 @@ def test_a_really_full_disk_during_a_save_is_a_clear_error_and_keeps_earlier_che
     assert diff <= 1e-6
 
 
-def test_directory_turning_read_only_is_a_clear_error_and_keeps_checkpoints():
+@ASYNC
+def test_directory_turning_read_only_is_a_clear_error_and_keeps_checkpoints(async_save):
     # Outside pytest's 0700 tmp tree, so that an unprivileged child can still read it.
     root = Path(tempfile.mkdtemp(prefix="kmk-ro-"))
     os.chmod(root, 0o755)
     directory = root / "ckpt"
     try:
-        proc = child(directory, root / "w.npz", "--read-only-after-epoch", 0)
+        proc = child(
+            directory, root / "w.npz", "--read-only-after-epoch", 0, async_save=async_save
+        )
         assert proc.returncode == 3, proc.stderr[-3000:]
         result = last_json(proc)
         assert result["error"] == "CheckpointWriteError"
@@ -241,6 +278,7 @@ def test_directory_turning_read_only_is_a_clear_error_and_keeps_checkpoints():
 
 
 SEED, TRIALS = 20261129, 10
+ASYNC_TRIALS = int(os.environ.get("KMK_ASYNC_SIGKILL_TRIALS", "3"))
 STEPS = EPOCHS * 6
 
 
@@ -248,15 +286,15 @@ def _global_step(restored):
     return None if restored is None else restored[0] * 6 + restored[1]
 
 
-def _plan(rng, reference_run):
+def _plan(rng, reference_run, trials=TRIALS, async_save=False):
     """Seeded kill points, in training progress (never in seconds): which file write and
     at what stage; which step, killed right there; which step, then a seeded moment while
     training runs on. Returns (how, child args, lowest and highest good resume step)."""
     writes, saves = reference_run["writes"], reference_run["saves"]
-    kinds = [("write", "step", "run-on")[trial % 3] for trial in range(TRIALS)]
+    kinds = [("write", "step", "run-on")[trial % 3] for trial in range(trials)]
     # Distinct points: which writes, which steps (each drawn without replacement).
     write_ks = iter(rng.sample(range(1, len(writes) + 1), kinds.count("write")))
-    step_ks = iter(rng.sample(range(1, STEPS), TRIALS - kinds.count("write")))
+    step_ks = iter(rng.sample(range(1, STEPS), trials - kinds.count("write")))
     plan = []
     for kind in kinds:
         if kind == "write":  # inside the k-th file write of the store
@@ -265,8 +303,10 @@ def _plan(rng, reference_run):
             done = writes[: k - 1].count("manifest.json")  # checkpoints complete before it
             if writes[k - 1] == "manifest.json" and mode == "after-replace":
                 done += 1
-            # A checkpoint file in place without its manifest may or may not be used.
-            extra = int(writes[k - 1].startswith("ckpt-") and mode == "after-replace")
+            # A checkpoint file in place without its manifest may or may not be used: its
+            # own write just replaced, or its manifest's write not replaced yet.
+            in_place = writes[k - 1].startswith("ckpt-") and mode == "after-replace"
+            extra = int(in_place or (writes[k - 1] == "manifest.json" and mode != "after-replace"))
             low = saves[done - 1] if done else None
             high = saves[done + extra - 1] if done + extra else None
             how = (kind, k, mode)
@@ -276,6 +316,11 @@ def _plan(rng, reference_run):
             # A checkpoint of step k itself is written in this step's callbacks or, at an
             # epoch's end, just after: it may or may not exist when the marker appears.
             low = max((s for s in saves if s < k), default=None)
+            if async_save:
+                # Saves started by the marker (an epoch's end is saved after it); the newest
+                # may still be written in the background, the one before it is complete.
+                started = [s for s in saves if s < k or (s == k and k % 6)]
+                low = started[-2] if len(started) >= 2 else None
             delay = round(rng.uniform(0.0, 0.5), 3) if kind == "run-on" else 0.0
             high = max((s for s in saves if s <= k), default=None)
             high = high if kind == "step" else saves[-1]
@@ -297,12 +342,35 @@ def test_ten_seeded_random_sigkills_all_resume_to_the_uninterrupted_weights(
     # The seed gives kills on both sides of the first checkpoint, in every kind.
     assert sum(low is not None for *_, low, _ in plan) >= 5
     assert any(low is None for *_, low, _ in plan)
+    _kill_and_resume_all(tmp_path, reference_run, plan)
+
+
+def test_seeded_random_sigkills_during_background_saves_resume_to_the_same_weights(
+    tmp_path, reference_run
+):
+    """The same with async_save=True: kills while a background write runs and training
+    goes on. The suite runs 3 seeded trials (one of each kind); all 10 on request."""
+    import random
+
+    plan = _plan(random.Random(SEED + 1), reference_run, ASYNC_TRIALS, async_save=True)
+    assert {how[0] for how, *_ in plan} == {"write", "step", "run-on"}
+    _kill_and_resume_all(tmp_path, reference_run, plan, async_save=True)
+
+
+def _kill_and_resume_all(tmp_path, reference_run, plan, async_save=False):
+    """Runs each planned kill, then resumes every directory in one process and checks."""
     directories = []
     for trial, (how, args, _, _) in enumerate(plan):
         directory, marker = tmp_path / f"t{trial}" / "ckpt", tmp_path / f"t{trial}" / "m"
         directory.parent.mkdir()
         proc = child(
-            directory, tmp_path / f"t{trial}" / "w.npz", *args, "--marker", marker, wait=False
+            directory,
+            tmp_path / f"t{trial}" / "w.npz",
+            *args,
+            "--marker",
+            marker,
+            wait=False,
+            async_save=async_save,
         )
         try:
             deadline = time.monotonic() + 240  # a bound for a stuck child, not a kill time

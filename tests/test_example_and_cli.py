@@ -243,6 +243,18 @@ def test_cli_info_reports_versions_devices_and_choice(tmp_path):
 
 def test_cli_bench_figures_agree_with_what_was_requested_and_measured(tmp_path):
     per_replica, steps = 32, 12
+    # `bench --roof` measures this CPU's matmul roof and stores it where `bench` finds it.
+    roof_env = {"KMK_ROOF_FILE": str(tmp_path / "roof.json")}
+    roof = run(
+        ["-m", "keras_mirror_kit.cli", "bench", "--roof", "--roof-size", "256",
+         "--roof-dtypes", "float32"],
+        tmp_path, env=roof_env,
+    )  # fmt: skip
+    assert roof.returncode == 0, roof.stderr[-3000:]
+    (cpu_entry,) = json.loads((tmp_path / "roof.json").read_text())["cpus"].values()
+    roof_flops = cpu_entry["fp32"]["flops_per_sec"]
+    rows = [line.split() for line in roof.stdout.splitlines()]
+    assert ["float32", f"{roof_flops / 1e9:.1f}"] in rows
     proc = run(
         [
             "-m",
@@ -260,6 +272,7 @@ def test_cli_bench_figures_agree_with_what_was_requested_and_measured(tmp_path):
             "b.png",
         ],
         tmp_path,
+        env=roof_env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"[1/2] 1 replica(s), {steps} steps" in proc.stdout
@@ -288,6 +301,13 @@ def test_cli_bench_figures_agree_with_what_was_requested_and_measured(tmp_path):
         assert r["samples_per_sec_per_replica"] == pytest.approx(
             r["samples_per_sec"] / r["replicas"]
         )
+        # FLOP/s: the kit's count of the tutorial CNN (about 6.0 MFLOPs per sample, see
+        # tests/test_flops.py) times samples/s; MFU over the stored roof, which the
+        # simulated replicas share (counted once).
+        assert r["flops_per_sample"] == pytest.approx(6.0016e6, rel=1e-3)
+        assert r["flops_per_sec"] == pytest.approx(r["samples_per_sec"] * r["flops_per_sample"])
+        assert r["peak_flops"] == pytest.approx(roof_flops)
+        assert r["mfu"] == pytest.approx(r["flops_per_sec"] / roof_flops)
     # Efficiency, as docs/cli.md defines it: per-replica throughput relative to the first run.
     base = results[0]["samples_per_sec"] / results[0]["replicas"]
     for r in results:
@@ -305,6 +325,8 @@ def test_cli_bench_figures_agree_with_what_was_requested_and_measured(tmp_path):
         assert float(cells[2]) == pytest.approx(r["samples_per_sec"], abs=0.051)
         assert float(cells[3]) == pytest.approx(r["samples_per_sec_per_replica"], abs=0.051)
         assert float(cells[4]) == pytest.approx(r["scaling_efficiency"], abs=0.0051)
+        assert float(cells[5]) == pytest.approx(r["flops_per_sec"] / 1e9, abs=0.0051)
+        assert float(cells[6]) == pytest.approx(r["mfu"], abs=0.00051)
 
     # The chart is a real PNG image (decoded, not just its magic bytes), not a blank one.
     import matplotlib.image
@@ -312,7 +334,7 @@ def test_cli_bench_figures_agree_with_what_was_requested_and_measured(tmp_path):
     png = tmp_path / "b.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     image = matplotlib.image.imread(png)
-    assert image.shape[:2] == (350, 900)  # figsize (9, 3.5) at 100 dpi
+    assert image.shape[:2] == (350, 1300)  # figsize (13, 3.5) at 100 dpi: 3 panels
     assert len({tuple(px) for px in image.reshape(-1, image.shape[-1])[::97]}) > 10
 
 

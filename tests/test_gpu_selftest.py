@@ -24,3 +24,5 @@ def test_the_gpu_selftest_runs_on_a_cpu_and_says_what_it_skipped():
         assert "skipped: no GPU" in lines[name], lines
     assert "PASS" in lines["fit"], lines["fit"]  # resumed within 1e-5 of the reference
     assert "PASS" in lines["float16"] and "loss scale 16384" in lines["float16"]
+    # uint8 instead of float32 crosses to the replicas: a quarter of the bytes (+ labels).
+    assert "PASS" in lines["preprocess"] and "(0.25x)" in lines["preprocess"], lines["preprocess"]

@@ -406,7 +406,8 @@ def test_a_logger_listed_before_the_monitor_still_logs_its_figures(tmp_path):
     rows = user_rows(read_run(tmp_path).history)
     assert [row["epoch"] for row in rows] == [1, 2]
     for epoch, row in enumerate(rows):
-        for key in ("samples_per_sec", "samples_per_sec_per_replica", "step_time_ms"):
+        for key in ("samples_per_sec", "samples_per_sec_per_replica", "step_time_ms",
+                    "flops_per_sec", "flops_per_sec_per_replica"):
             assert row[key] == pytest.approx(history.history[key][epoch], rel=1e-5)
 
 

@@ -196,14 +196,15 @@ def test_keeps_the_newest_and_two_usable_resume_points_beyond_it(tmp_path):
     assert len([n for n in os.listdir(other) if n.endswith(".npz")]) == 2
 
 
-@pytest.mark.parametrize("damage", ["truncate", "zero", "garbage", "delete"])
+@pytest.mark.parametrize("damage", ["truncate", "zero", "garbage", "delete", "truncate-async"])
 def test_corrupt_newest_checkpoint_warns_and_uses_the_previous(tmp_path, damage, caplog):
     model, ds = build("sgd"), dataset()
-    model.fit(ds, epochs=3, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    written = SyncedCheckpoint(tmp_path, dataset=ds, async_save=damage.endswith("-async"))
+    model.fit(ds, epochs=3, verbose=0, callbacks=[written])
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     newest = tmp_path / manifest["latest"]
     raw = newest.read_bytes()
-    if damage == "truncate":
+    if damage.startswith("truncate"):
         newest.write_bytes(raw[: len(raw) // 2])
     elif damage == "zero":
         newest.write_bytes(b"\0" * len(raw))

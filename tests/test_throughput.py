@@ -404,3 +404,43 @@ def test_per_worker_figure_only_in_multi_worker_runs():
         assert figures["samples_per_sec"] == 1024.0
         assert figures.get("samples_per_sec_per_worker") == expected
         assert ("per worker over 4" in meter.describe()) == (workers == 4)
+
+
+def test_flop_figures_and_mfu_once_flops_and_peak_are_known():
+    """Issue 14: flops_per_sec = samples/s x FLOPs per sample; mfu over the peak given."""
+    from keras_mirror_kit.throughput import FLOP_KEYS
+
+    clock = FakeClock()
+    meter = make(clock)  # 32 samples per step, 4 replicas
+    meter.start()
+    run_steps(meter, clock, [0.5, 0.5])
+    assert meter.flops_per_sample is None
+    assert not set(FLOP_KEYS) & set(meter.run_figures())  # no count: no FLOP figures
+    meter.set_flops(6.0e6)
+    figures = meter.run_figures()
+    assert figures["flops_per_sec"] == pytest.approx(64.0 * 6.0e6)
+    assert figures["flops_per_sec_per_replica"] == pytest.approx(16.0 * 6.0e6)
+    assert "mfu" not in figures  # the peak is unknown
+    meter.set_flops(6.0e6, peak_flops=1.0e9)
+    figures = meter.run_figures()
+    assert list(figures) == [*FIGURE_KEYS, *FLOP_KEYS]
+    assert figures["mfu"] == pytest.approx(64.0 * 6.0e6 / 1.0e9)
+    assert "GFLOP/s (MFU 38.4%)" in meter.describe()
+    meter.pause()  # validation time stays out of the FLOP figures as out of the others
+    clock.advance(100.0)
+    meter.resume()
+    run_steps(meter, clock, [0.5])
+    assert meter.run_figures()["mfu"] == pytest.approx(64.0 * 6.0e6 / 1.0e9)
+    meter.set_flops(None)
+    assert not set(FLOP_KEYS) & set(meter.run_figures())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [({"flops_per_sample": 0}, ValueError), ({"flops_per_sample": "6e6"}, TypeError),
+     ({"flops_per_sample": 1.0, "peak_flops": math.inf}, ValueError),
+     ({"flops_per_sample": 1.0, "peak_flops": True}, TypeError)],
+)  # fmt: skip
+def test_invalid_flops_and_peak(kwargs, error):
+    with pytest.raises(error, match="flops_per_sample|peak_flops"):
+        ThroughputMeter(32, **kwargs)

@@ -8,6 +8,7 @@ other.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -17,7 +18,9 @@ import pytest
 
 import keras_mirror_kit as kmk
 from keras_mirror_kit.callbacks import ThroughputMonitor
-from keras_mirror_kit.throughput import FIGURE_KEYS
+from keras_mirror_kit.devices.peaks import cpu_name, store_roof
+from keras_mirror_kit.flops import count_training_flops
+from keras_mirror_kit.throughput import FIGURE_KEYS, FLOP_KEYS
 from tests import models
 
 pytestmark = pytest.mark.filterwarnings("ignore:`shuffle=True` was passed:UserWarning")
@@ -27,6 +30,19 @@ GBS = 2 * PER_REPLICA  # 2 replicas in this process
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(320, 6)).astype("float32")  # 20 steps of 16
 Y = (X[:, 0] > 0).astype("int32") + (X[:, 1] > 0).astype("int32")
+FLOPS = {"flops_per_sec", "flops_per_sec_per_replica"}  # the FLOP figures without a peak
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_stored_roof(tmp_path_factory):
+    """The monitor reads a CPU roof from KMK_ROOF_FILE: none here, whatever the machine has."""
+    old = os.environ.get("KMK_ROOF_FILE")
+    os.environ["KMK_ROOF_FILE"] = str(tmp_path_factory.mktemp("roof") / "absent.json")
+    yield
+    if old is None:
+        os.environ.pop("KMK_ROOF_FILE", None)
+    else:
+        os.environ["KMK_ROOF_FILE"] = old
 
 
 def build(steps_per_execution: int = 1, devices: list[str] | None = None) -> keras.Model:
@@ -68,7 +84,11 @@ class Timestamps(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.batch_ends[-1].append((batch, time.perf_counter()))
-        picked = {k: v for k, v in logs.items() if k in FIGURE_KEYS or k == "scaling_efficiency"}
+        picked = {
+            k: v
+            for k, v in logs.items()
+            if k in FIGURE_KEYS or k in FLOP_KEYS or k == "scaling_efficiency"
+        }
         self.batch_logs.append((len(self.epoch_begin) - 1, batch, picked))
 
     def on_test_begin(self, logs=None):
@@ -99,7 +119,7 @@ class CountBatches(keras.callbacks.Callback):
 
 
 @pytest.fixture(scope="module")
-def two_replica_fit():
+def two_replica_fit(no_stored_roof):
     """One 3-epoch fit on 2 replicas with batch logs every 5 steps and a baseline."""
     logger = logging.getLogger("keras_mirror_kit")
     records: list[logging.LogRecord] = []
@@ -122,6 +142,7 @@ def two_replica_fit():
         "monitor": monitor,
         "stamps": stamps,
         "records": [r for r in records if "ThroughputMonitor" in r.getMessage()],
+        "model": model,
     }
 
 
@@ -159,7 +180,7 @@ def test_batch_logs_every_n_steps(two_replica_fit):
     assert len(batch_logs) == 60
     for epoch, batch, picked in batch_logs:
         if (batch + 1) % 5 == 0:
-            assert set(picked) == {*FIGURE_KEYS, "scaling_efficiency"}, (epoch, batch)
+            assert set(picked) == {*FIGURE_KEYS, "scaling_efficiency", *FLOPS}, (epoch, batch)
             assert picked["samples_per_sec"] == pytest.approx(GBS * picked["steps_per_sec"])
         else:
             assert picked == {}, (epoch, batch)
@@ -168,8 +189,8 @@ def test_batch_logs_every_n_steps(two_replica_fit):
 def test_last_figures_summary_and_log_line(two_replica_fit):
     history, monitor = two_replica_fit["history"], two_replica_fit["monitor"]
     assert monitor.last == {k: v[-1] for k, v in history.items() if k in monitor.last}
-    assert set(monitor.last) == {*FIGURE_KEYS, "scaling_efficiency"}
-    records = two_replica_fit["records"]
+    assert set(monitor.last) == {*FIGURE_KEYS, "scaling_efficiency", *FLOPS}
+    records = [r for r in two_replica_fit["records"] if "throughput" in r.getMessage()]
     assert len(records) == 1 and records[0].levelno == logging.INFO
     message = records[0].getMessage()
     assert "samples/s" in message and "2 replicas" in message and "over 58 steps" in message
@@ -311,7 +332,7 @@ def test_one_replica_short_epochs_and_evaluate_outside_fit(caplog):
     # evaluate() outside fit does not disturb the monitor.
     model.evaluate(data, verbose=0, callbacks=[monitor])
     assert monitor.summary() == summary
-    lines = [r.getMessage() for r in caplog.records if "ThroughputMonitor" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "ThroughputMonitor: thr" in r.getMessage()]
     assert len(lines) == 1 and "1 replica)" in lines[0]
 
 
@@ -372,7 +393,7 @@ def test_hooks_driven_by_hand_without_epoch_and_batch_begin():
     for batch in range(3):  # indices restart (a new epoch) without on_epoch_begin
         callbacks.on_train_batch_end(batch, {"loss": 1.0})
     callbacks.on_epoch_end(0, {"loss": 1.0})
-    assert set(monitor.last) == set(FIGURE_KEYS)
+    assert set(monitor.last) == {*FIGURE_KEYS, *FLOPS}
     callbacks.on_epoch_begin(1)
     for batch in range(4):  # no on_train_batch_begin: batch 0 only starts the clock
         callbacks.on_train_batch_end(batch, {"loss": 1.0})
@@ -535,3 +556,116 @@ def test_hand_driven_loops_lose_no_step(monkeypatch):
     summary = monitor.summary()
     assert summary["measured_steps"] == 24
     assert summary["measured_seconds"] == pytest.approx(20 * 1.0 + 4 * 2.0)
+
+
+# -- FLOP/s and MFU (issue 14) -------------------------------------------------------------
+
+
+class Records:
+    """Collects the kit logger's records at INFO and above inside a `with` block."""
+
+    def __enter__(self) -> list[logging.LogRecord]:
+        self.logger = logging.getLogger("keras_mirror_kit")
+        self.records: list[logging.LogRecord] = []
+        self.handler = logging.Handler(logging.INFO)
+        self.handler.emit = self.records.append  # type: ignore[method-assign]
+        self.old_level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self.handler)
+        return self.records
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.old_level)
+
+
+def peak_notices(records: list[logging.LogRecord]) -> list[str]:
+    return [r.getMessage() for r in records if "no peak FLOP/s known" in r.getMessage()]
+
+
+def test_flop_figures_are_samples_times_the_kits_count(two_replica_fit):
+    history, model = two_replica_fit["history"], two_replica_fit["model"]
+    flops = count_training_flops(model).flops_per_sample
+    for e in range(3):
+        sps = history["samples_per_sec"][e]
+        assert history["flops_per_sec"][e] == pytest.approx(sps * flops)
+        assert history["flops_per_sec_per_replica"][e] == pytest.approx(sps * flops / 2)
+    assert "mfu" not in history  # this CPU has no stored roof here
+    # One line (for the whole fit, not per epoch) says how to give the peak.
+    notices = peak_notices(two_replica_fit["records"])
+    assert len(notices) == 1
+    assert "peak_flops=" in notices[0] and "keras-mirror-kit bench --roof" in notices[0]
+
+
+def test_given_flops_and_peak_make_mfu_with_the_cpu_counted_once():
+    model = build()
+    data = kmk.make_dataset(X, Y, GBS, seed=0)
+    monitor = ThroughputMonitor(flops_per_sample=1.0e6, peak_flops=1.0e10)
+    with Records() as records:
+        history = model.fit(data, epochs=2, verbose=0, callbacks=[monitor]).history
+    for e in range(2):
+        flops_per_sec = history["samples_per_sec"][e] * 1.0e6
+        assert history["flops_per_sec"][e] == pytest.approx(flops_per_sec)
+        # 2 replicas share this one CPU: the peak counts once, not twice.
+        assert history["mfu"][e] == pytest.approx(flops_per_sec / 1.0e10)
+    assert peak_notices(records) == []
+    assert "MFU" in monitor.meter.describe()
+
+
+def test_a_stored_cpu_roof_gives_mfu(tmp_path, monkeypatch):
+    """What `keras-mirror-kit bench --roof` stores is what the monitor divides by."""
+    monkeypatch.setenv("KMK_ROOF_FILE", str(tmp_path / "roof.json"))
+    store_roof({"fp32": {"flops_per_sec": 2.0e11}}, cpu=cpu_name())
+    model = build()
+    monitor = ThroughputMonitor()
+    with Records() as records:
+        history = model.fit(
+            kmk.make_dataset(X, Y, GBS, seed=0), epochs=1, verbose=0, callbacks=[monitor]
+        ).history
+    assert history["mfu"][0] == pytest.approx(history["flops_per_sec"][0] / 2.0e11)
+    assert peak_notices(records) == []
+
+
+def test_a_model_built_inside_fit_is_counted_at_its_first_epochs_end():
+    @kmk.distributed(per_replica_batch_size=PER_REPLICA)
+    def factory() -> keras.Model:
+        return models.compile_sgd(models.subclassed_lazy())
+
+    model = factory()
+    assert not model.built
+    history = model.fit(
+        kmk.make_dataset(X, Y, GBS, seed=0), epochs=2, verbose=0,
+        callbacks=[ThroughputMonitor()],
+    ).history  # fmt: skip
+    flops = count_training_flops(model).flops_per_sample
+    assert len(history["flops_per_sec"]) == 2
+    assert history["flops_per_sec"][0] == pytest.approx(history["samples_per_sec"][0] * flops)
+
+
+def test_a_model_whose_flops_cannot_be_counted_trains_and_says_so_once():
+    model = keras.Sequential(
+        [keras.Input((None, 6)), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)]
+    )
+    models.compile_sgd(model)
+    monitor = ThroughputMonitor(global_batch_size=16)
+    with Records() as records:
+        history = model.fit(
+            X.reshape(-1, 1, 6), Y, batch_size=16, epochs=2, verbose=0, callbacks=[monitor]
+        ).history
+    assert len(history["samples_per_sec"]) == 2 and "flops_per_sec" not in history
+    notices = [r.getMessage() for r in records if "were not counted" in r.getMessage()]
+    assert len(notices) == 1 and "flops_per_sample=" in notices[0]
+    # Giving the count is enough for the FLOP figures.
+    given = ThroughputMonitor(global_batch_size=16, flops_per_sample=100.0)
+    model.fit(X.reshape(-1, 1, 6), Y, batch_size=16, epochs=1, verbose=0, callbacks=[given])
+    assert given.last["flops_per_sec"] == pytest.approx(given.last["samples_per_sec"] * 100.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [({"flops_per_sample": 0}, ValueError), ({"peak_flops": -1.0}, ValueError),
+     ({"peak_flops": "312e12"}, TypeError)],
+)  # fmt: skip
+def test_invalid_flops_or_peak_are_refused_at_construction(kwargs, error):
+    with pytest.raises(error, match="flops_per_sample|peak_flops"):
+        ThroughputMonitor(**kwargs)

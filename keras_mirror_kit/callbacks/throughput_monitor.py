@@ -1,4 +1,4 @@
-"""`ThroughputMonitor`: samples/s, per-replica samples/s, steps/s and step time in `logs`.
+"""`ThroughputMonitor`: samples/s, per-replica samples/s, steps/s, step time, FLOP/s and MFU.
 
 A thin Keras callback over `keras_mirror_kit.throughput.ThroughputMeter`, which does the
 arithmetic. The callback only reads `time.perf_counter()` and Python attributes: it never
@@ -16,7 +16,13 @@ import keras
 
 from keras_mirror_kit.batching import validate_non_negative_int, validate_positive_int
 from keras_mirror_kit.callbacks.progress import steps_done
+from keras_mirror_kit.devices.peaks import resolve_peak, validate_peak_flops
 from keras_mirror_kit.distribution import is_chief
+from keras_mirror_kit.flops import (
+    count_training_flops,
+    model_compute_dtype,
+    validate_flops_per_sample,
+)
 from keras_mirror_kit.model_setup import batch_plan, check_callback_model
 from keras_mirror_kit.throughput import (
     ThroughputMeter,
@@ -30,6 +36,16 @@ logger = logging.getLogger("keras_mirror_kit")
 _NEVER = sys.maxsize
 
 
+def _replica_devices(model: Any) -> tuple[str, ...]:
+    """This process's replica devices: the strategy's, or TensorFlow's first device."""
+    try:
+        return tuple(model.distribute_strategy.extended.worker_devices)
+    except (AttributeError, RuntimeError):  # the default strategy has no device list
+        import tensorflow as tf
+
+        return ("/device:GPU:0",) if tf.config.list_logical_devices("GPU") else ("/device:CPU:0",)
+
+
 class ThroughputMonitor(keras.callbacks.Callback):
     """Adds training throughput to the logs of every epoch (and, optionally, of batches).
 
@@ -40,9 +56,22 @@ class ThroughputMonitor(keras.callbacks.Callback):
     - `samples_per_sec_per_replica`: `samples_per_sec / num_replicas`;
     - `steps_per_sec`: training steps per second (one step = one global batch);
     - `step_time_ms`: mean wall time of one step, in milliseconds;
+    - `updates_per_sec` (with gradient accumulation only): optimizer updates per second,
+      `steps_per_sec` divided by the optimizer's `gradient_accumulation_steps` (a step is
+      one micro-batch of `global_batch_size` samples);
     - `samples_per_sec_per_worker` (multi-worker runs only): `samples_per_sec / num_workers`;
     - `scaling_efficiency` (only with `baseline_samples_per_sec`): `samples_per_sec /
-      (num_replicas * baseline_samples_per_sec)`; 1.0 is perfect linear scaling.
+      (num_replicas * baseline_samples_per_sec)`; 1.0 is perfect linear scaling;
+    - `flops_per_sec`: `samples_per_sec x` the FLOPs of one training sample (forward and
+      backward, a multiply-add as 2), which the kit counts once per model from its traced
+      computation (`keras_mirror_kit.flops`) before the first step, or at the first epoch's
+      end for a model not built yet; `flops_per_sample=` gives it instead;
+    - `flops_per_sec_per_replica`: `flops_per_sec / num_replicas`;
+    - `mfu` (model FLOPs utilisation, when the peak is known): `flops_per_sec` over the
+      peak FLOP/s of the devices the replicas run on, from the GPU table for the model's
+      compute dtype (`keras_mirror_kit.devices.peaks`), the CPU roof stored by
+      `keras-mirror-kit bench --roof`, or `peak_flops=`. Unknown: no `mfu` and one INFO
+      line saying how to give the peak.
 
     With `log_every_n_steps=N` the same keys are also added to the batch `logs` every `N`
     training steps, computed over the steps since the previous such report.
@@ -88,13 +117,17 @@ class ThroughputMonitor(keras.callbacks.Callback):
             None (the default) reports at epoch ends only.
         baseline_samples_per_sec: Samples/s of the same training on a single replica;
             enables `scaling_efficiency`.
+        flops_per_sample: FLOPs of one training sample (forward and backward); replaces
+            the kit's count.
+        peak_flops: Peak FLOP/s of one device (one GPU, or the whole CPU); replaces the
+            table or the stored roof for `mfu`.
 
     Raises:
-        TypeError: If a count is not an integer or the baseline not a number.
-        ValueError: If a count is not positive (`warmup_steps` may be 0) or the baseline not
-            positive and finite. At the start of `fit()` (before any step): if the global
-            batch size is unknown, or an explicit argument contradicts the model's
-            `Distribution`.
+        TypeError: If a count is not an integer or the baseline, FLOPs or peak not a number.
+        ValueError: If a count is not positive (`warmup_steps` may be 0) or the baseline,
+            FLOPs or peak not positive and finite. At the start of `fit()` (before any
+            step): if the global batch size is unknown, or an explicit argument contradicts
+            the model's `Distribution`.
 
     Example:
 
@@ -124,6 +157,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
         warmup_steps: int = 2,
         log_every_n_steps: int | None = None,
         baseline_samples_per_sec: float | None = None,
+        flops_per_sample: float | None = None,
+        peak_flops: float | None = None,
     ) -> None:
         super().__init__()
         if global_batch_size is not None:
@@ -138,11 +173,17 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._warmup_steps = warmup_steps
         self._log_every_n_steps = log_every_n_steps
         self._baseline = validate_baseline(baseline_samples_per_sec)
+        self._flops_per_sample = validate_flops_per_sample(flops_per_sample)
+        self._peak_flops = validate_peak_flops(peak_flops)
+        self._flops_pending = False  # the FLOPs are still to be counted (model not built)
+        self._workers = 1
+        self._flops_told: set[str] = set()  # the one-line notices already logged
         self._meter: ThroughputMeter | None = None
         self._last: dict[str, float] = {}
         self._training = False
         self._epoch_pending = False  # the clock starts at the epoch's first batch
         self._steps_per_execution = 1
+        self._accumulation = 1  # steps per optimizer update (gradient accumulation)
         # Steps are counted at batch ends (Keras calls them on the main thread right after
         # each execution, whatever the callbacks). During warm-up every end is counted; past
         # it, an end only notes its index and time (`_fast`), and the steps are given to the
@@ -228,6 +269,9 @@ class ThroughputMonitor(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         """Resolves batch size and replicas (or raises `ValueError`) and restarts warm-up."""
         global_batch_size, replicas, workers = self._resolve()
+        optimizer = getattr(self.model, "optimizer", None)
+        optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
+        self._accumulation = int(getattr(optimizer, "gradient_accumulation_steps", None) or 1)
         plan = batch_plan(self.model)
         steps = (self.params or {}).get("steps")
         self._short_last_batch = (plan.last_batch_size(steps) if plan else None) or 0
@@ -247,6 +291,9 @@ class ThroughputMonitor(keras.callbacks.Callback):
             baseline_samples_per_sec=self._baseline,
             num_workers=workers,
         )
+        self._flops_pending = True
+        self._workers = workers
+        self._set_flops()
         self._meter.start()
         self._training = True
         self._steps_in_fit = 0
@@ -254,6 +301,57 @@ class ThroughputMonitor(keras.callbacks.Callback):
         spe = getattr(self.model, "steps_per_execution", 1)
         self._steps_per_execution = spe if isinstance(spe, int) and spe > 0 else 1
         self._start_epoch_counts()
+
+    def _set_flops(self) -> None:
+        """Gives the meter the FLOPs per sample and the peak (outside the measured time)."""
+        meter, model = self._meter, self.model
+        if meter is None or not self._flops_pending:
+            return
+        flops = self._flops_per_sample
+        if flops is None:
+            if not getattr(model, "built", False):
+                return  # counted at the first epoch's end, once the model is built
+            try:
+                flops = count_training_flops(model).flops_per_sample
+            except Exception as error:  # noqa: BLE001 - a count never stops training
+                self._tell(
+                    "flops",
+                    "ThroughputMonitor: the FLOPs per sample of this model were not counted "
+                    "(%s), so no flops_per_sec or mfu is reported. Give them: "
+                    "ThroughputMonitor(flops_per_sample=...).",
+                    error,
+                )
+                self._flops_pending = False
+                return
+        self._flops_pending = False
+        dtype = model_compute_dtype(model)
+        try:
+            peak = resolve_peak(
+                _replica_devices(model),
+                dtype,
+                num_workers=self._workers,
+                peak_flops=self._peak_flops,
+            )
+            total, device, why = peak.total, peak.device_name, peak.source
+        except (ValueError, RuntimeError) as error:  # e.g. a float64 model: no table entry
+            total, device, why = None, "this device", str(error)
+        if total is None:
+            self._tell(
+                "peak",
+                "ThroughputMonitor: no peak FLOP/s known for %s in %s (%s), so mfu is not "
+                "reported. Give the peak of one device: ThroughputMonitor(peak_flops=...) in "
+                "FLOP/s; on a CPU, `keras-mirror-kit bench --roof` measures this machine's "
+                "matmul roof once and stores it for the monitor.",
+                device,
+                dtype,
+                why,
+            )
+        meter.set_flops(flops, total)
+
+    def _tell(self, what: str, message: str, *args: Any) -> None:
+        if what not in self._flops_told:
+            self._flops_told.add(what)
+            logger.info(message, *args)
 
     def _start_epoch_counts(self) -> None:
         self._last_batch = -1
@@ -325,6 +423,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
         if every is not None:
             if logs is not None and self._steps_in_fit // every > before // every:
                 figures = meter.interval_figures()
+                if figures is not None and self._accumulation > 1:
+                    figures["updates_per_sec"] = figures["steps_per_sec"] / self._accumulation
                 if figures is not None:
                     logs.update(figures)
                     self._last = figures
@@ -357,7 +457,11 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._count_seen()
         self._fast = False
         self._meter.stop()
+        if self._flops_pending:
+            self._set_flops()
         figures = None if self._epoch_pending else self._meter.epoch_figures()
+        if figures is not None and self._accumulation > 1:
+            figures["updates_per_sec"] = figures["steps_per_sec"] / self._accumulation
         self._epoch_pending = False
         if figures is None:
             logger.debug(

@@ -1,7 +1,9 @@
-"""The `keras-mirror-kit` command line: `info`, `bench` and `launch`.
+"""The `keras-mirror-kit` command line: `info`, `doctor`, `ckpt`, `bench` and `launch`.
 
 ```
 keras-mirror-kit info                      # versions, devices, what distributed() picks
+keras-mirror-kit doctor                    # checks and a self-test; exit 1 on a failure
+keras-mirror-kit ckpt ls ckpts             # checkpoints (also: ckpt verify, ckpt export)
 keras-mirror-kit bench --replicas 1,2 --steps 50 --json bench.json --plot bench.png
 keras-mirror-kit launch -n 2 -- train.py --epochs 3
 ```
@@ -18,7 +20,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from keras_mirror_kit.cli import bench, info
+    from keras_mirror_kit.cli import bench, ckpt, doctor, info
 
     parser = argparse.ArgumentParser(
         prog="keras-mirror-kit",
@@ -26,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     info.register(sub)
+    doctor.register(sub)
+    ckpt.register(sub)
     bench.register(sub)
     launch = sub.add_parser(
         "launch",
@@ -67,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         from keras_mirror_kit.cli import info
 
         return info.run(args)
+    if args.command == "doctor":
+        from keras_mirror_kit.cli import doctor
+
+        return doctor.run(args)
+    if args.command == "ckpt":
+        from keras_mirror_kit.cli import ckpt
+
+        return ckpt.run(args)
     from keras_mirror_kit.cli import bench
 
     return bench.run(args, parser)

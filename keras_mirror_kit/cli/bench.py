@@ -1,7 +1,9 @@
-"""`keras-mirror-kit bench`: samples/s of the tutorial CNN per replica count.
+"""`keras-mirror-kit bench`: samples/s, FLOP/s and MFU of the tutorial CNN per replica count.
 
 Each replica count runs in its own process (the hidden `_bench-worker` sub-command), since
-logical devices can only be set up before TensorFlow initialises.
+logical devices can only be set up before TensorFlow initialises. `bench --roof` instead
+measures this CPU's matmul roof per dtype and stores it where `ThroughputMonitor` (and so
+the MFU column of `bench`) finds it (`keras_mirror_kit.devices.peaks.roof_path()`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,21 @@ def register(sub: Any) -> None:
             bench.add_argument("--json", help="write the raw figures to this file")
             bench.add_argument("--plot", help="write a chart to this PNG file")
             bench.add_argument(
+                "--roof",
+                action="store_true",
+                help="instead of the benchmark: measure this CPU's matmul FLOP/s per dtype "
+                "and store it for ThroughputMonitor's mfu (file: $KMK_ROOF_FILE, else "
+                "~/.cache/keras-mirror-kit/roof.json)",
+            )
+            bench.add_argument(
+                "--roof-dtypes",
+                default="float32,bfloat16,float16",
+                help="dtypes measured by --roof",
+            )
+            bench.add_argument(
+                "--roof-size", type=int, default=1024, help="matrix side used by --roof"
+            )
+            bench.add_argument(
                 "--timeout", type=float, default=1800, help="seconds allowed per run"
             )
 
@@ -49,7 +66,38 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--per-replica-batch-size and --steps must be positive")
     if args.command == "_bench-worker":
         return _bench_worker(args)
+    if args.roof:
+        return _roof(args, parser)
     return _bench(args)
+
+
+def _roof(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Measures and stores this CPU's matmul roof (`bench --roof`)."""
+    dtypes = [d.strip() for d in args.roof_dtypes.split(",") if d.strip()]
+    if not dtypes or any(d not in ("float32", "bfloat16", "float16") for d in dtypes):
+        parser.error(
+            "--roof-dtypes takes a comma-separated list of float32, bfloat16, float16. "
+            f"Received: {args.roof_dtypes!r}"
+        )
+    if args.roof_size <= 0:
+        parser.error(f"--roof-size must be positive. Received: {args.roof_size}")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ["CUDA_VISIBLE_DEVICES"] = "-1"  # the CPU's roof, whatever GPUs there are
+    from keras_mirror_kit.devices import peaks
+
+    measured = {}
+    rows = [f"{'dtype':<10} {'GFLOP/s':>10}   ({peaks.cpu_name()}, {args.roof_size}^2 matmuls)"]
+    for dtype in dtypes:
+        result = peaks.measure_matmul_roof(dtype, size=args.roof_size)
+        measured[peaks.compute_dtype_key(dtype)] = result
+        rows.append(f"{dtype:<10} {result['flops_per_sec'] / 1e9:>10.1f}")
+    try:
+        path = peaks.store_roof(measured)
+    except (OSError, ValueError) as error:
+        sys.stderr.write(f"error: the roof was measured but not stored: {error}\n")
+        return 1
+    sys.stdout.write("\n".join(rows) + f"\nstored in {path}\n")
+    return 0
 
 
 def _parse_replicas(text: str) -> list[int]:
@@ -98,6 +146,7 @@ def _bench_worker(args: argparse.Namespace) -> int:
     model.fit(dataset, epochs=1, callbacks=[monitor], verbose=1)
     fit_seconds = time.perf_counter() - started
     measured = monitor.summary()
+    meter = monitor.meter
     result = {
         "replicas": dist.num_replicas,
         "devices": list(dist.devices),
@@ -111,6 +160,10 @@ def _bench_worker(args: argparse.Namespace) -> int:
         "measured_seconds": measured["measured_seconds"],
         "warmup_steps": measured["warmup_steps"],
         "fit_seconds": fit_seconds,
+        "flops_per_sample": meter.flops_per_sample if meter else None,
+        "flops_per_sec": monitor.last.get("flops_per_sec"),
+        "peak_flops": meter.peak_flops if meter else None,
+        "mfu": monitor.last.get("mfu"),
     }
     Path(args.result_file).write_text(json.dumps(result))
     return 0
@@ -157,15 +210,26 @@ def _bench(args: argparse.Namespace) -> int:
         result["scaling_efficiency"] = result["samples_per_sec"] / (result["replicas"] * base)
     header = (
         f"{'replicas':>8} {'global batch':>12} {'samples/s':>11} {'per replica':>11} "
-        f"{'efficiency':>10}"
+        f"{'efficiency':>10} {'GFLOP/s':>9} {'MFU':>6}"
     )
     rows = [header, "-" * len(header)]
     for r in results:
+        gflops = "-" if r.get("flops_per_sec") is None else f"{r['flops_per_sec'] / 1e9:.2f}"
+        mfu = "-" if r.get("mfu") is None else f"{r['mfu']:.3f}"
         rows.append(
             f"{r['replicas']:>8} {r['global_batch_size']:>12} {r['samples_per_sec']:>11.1f} "
-            f"{r['samples_per_sec_per_replica']:>11.1f} {r['scaling_efficiency']:>10.2f}"
+            f"{r['samples_per_sec_per_replica']:>11.1f} {r['scaling_efficiency']:>10.2f} "
+            f"{gflops:>9} {mfu:>6}"
         )
     rows.append(f"(efficiency relative to the {results[0]['replicas']}-replica run, per replica)")
+    flops = results[0].get("flops_per_sample")
+    if flops:
+        rows.append(f"(GFLOP/s: samples/s x {flops / 1e6:.2f} MFLOPs per training sample)")
+    if any(r.get("mfu") is None for r in results):
+        rows.append(
+            "(MFU: - where the peak is unknown; on a CPU, `keras-mirror-kit bench --roof` "
+            "measures and stores it)"
+        )
     sys.stdout.write("\n".join(rows) + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
@@ -183,14 +247,25 @@ def _plot(results: list[dict[str, Any]], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("error: --plot needs matplotlib (pip install matplotlib)") from None
+        raise SystemExit(
+            "error: --plot needs matplotlib, which is not installed: "
+            'pip install "keras-mirror-kit[plot]" (or leave out --plot)'
+        ) from None
     replicas = [r["replicas"] for r in results]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, (left, right, flops) = plt.subplots(1, 3, figsize=(13, 3.5))
     left.bar([str(n) for n in replicas], [r["samples_per_sec"] for r in results])
     left.set(xlabel="replicas", ylabel="samples / s", title="Throughput")
     right.plot(replicas, [r["scaling_efficiency"] for r in results], marker="o")
     right.axhline(1.0, color="grey", linestyle="--", linewidth=1)
     right.set(xlabel="replicas", ylabel="efficiency", title="Scaling efficiency", ylim=(0, 1.2))
+    gflops = [(r.get("flops_per_sec") or 0.0) / 1e9 for r in results]
+    bars = flops.bar([str(n) for n in replicas], gflops, color="tab:green")
+    for bar, r in zip(bars, results, strict=True):
+        label = "MFU n/a" if r.get("mfu") is None else f"MFU {r['mfu']:.1%}"
+        flops.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                       ha="center", va="bottom", fontsize=8)  # fmt: skip
+    flops.set(xlabel="replicas", ylabel="GFLOP / s", title="Achieved FLOP/s and MFU")
+    flops.set_ylim(0, max([*gflops, 1e-9]) * 1.25)
     fig.suptitle("keras-mirror-kit bench: tutorial CIFAR-10 CNN, synthetic data")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -13,11 +13,26 @@ def register(sub: Any) -> None:
     """Adds the `info` sub-command to the parser."""
     info = sub.add_parser("info", help="versions, devices and what distributed() would choose")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    info.add_argument(
+        "--per-replica-batch-size",
+        type=int,
+        default=None,
+        help="show the global and effective batch sizes for this batch",
+    )
+    info.add_argument(
+        "--gradient-accumulation-steps",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer update (for the effective batch)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs `keras-mirror-kit info`."""
-    info = collect()
+    info = collect(
+        per_replica_batch_size=getattr(args, "per_replica_batch_size", None),
+        gradient_accumulation_steps=getattr(args, "gradient_accumulation_steps", 1),
+    )
     if args.json:
         sys.stdout.write(json.dumps(info, indent=2) + "\n")
     else:
@@ -25,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def collect() -> dict[str, Any]:
+def collect(
+    per_replica_batch_size: int | None = None, gradient_accumulation_steps: int = 1
+) -> dict[str, Any]:
     import keras
     import tensorflow as tf
 
@@ -66,7 +83,10 @@ def collect() -> dict[str, Any]:
         return info
     import keras_mirror_kit as kmk
 
-    dist = kmk.distributed(per_replica_batch_size=1).distribution
+    dist = kmk.distributed(
+        per_replica_batch_size=per_replica_batch_size or 1,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+    ).distribution
     info["logical_devices"] = [d.name for d in tf.config.list_logical_devices()]
     info["would_choose"] = {
         "strategy": dist.strategy_name,
@@ -74,6 +94,13 @@ def collect() -> dict[str, Any]:
         "replicas": dist.num_replicas,
         "all_reduce": dist.cross_device_ops,
     }
+    if per_replica_batch_size is not None or gradient_accumulation_steps > 1:
+        info["would_choose"].update(
+            per_replica_batch_size=dist.per_replica_batch_size,
+            global_batch_size=dist.global_batch_size,
+            gradient_accumulation_steps=dist.gradient_accumulation_steps,
+            effective_batch_size=dist.effective_batch_size,
+        )
     return info
 
 
@@ -100,6 +127,17 @@ def print_table(info: dict[str, Any]) -> None:
         + (f", {chosen['replicas']} replica(s)" if "replicas" in chosen else "")
         + (f", {chosen['workers']} workers" if "workers" in chosen else "")
         + f", all-reduce {chosen['all_reduce']}",
+        *(
+            [
+                f"Batch            global {chosen['global_batch_size']} = "
+                f"{chosen['per_replica_batch_size']} per replica x {chosen['replicas']}; "
+                f"effective {chosen['effective_batch_size']} per update = "
+                f"{chosen['global_batch_size']} x {chosen['gradient_accumulation_steps']} "
+                "accumulation steps"
+            ]
+            if "effective_batch_size" in chosen
+            else []
+        ),
         *(f"WARNING: {warning}" for warning in info["warnings"]),
     ]
     sys.stdout.write("\n".join(lines) + "\n")

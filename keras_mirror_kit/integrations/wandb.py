@@ -330,7 +330,7 @@ class WandbLogger(keras.callbacks.Callback):
 
         Raises:
             Nothing: an error while finishing the run is logged, so that the exception
-            of `fit()` is the one that propagates.
+                of `fit()` is the one that propagates.
 
         Example:
 

@@ -10,10 +10,12 @@ callback has none of these faults; the file format and its guarantees live in
 Modules: `callback` (the callback and its course through a `fit()`), `hooks` (its place in
 the `CallbackList`), `callback_state` (the other callbacks' saved state), `state` (the
 variables saved and restored), `resume` (which checkpoint, and where a `fit()` goes on),
-`replicas` (the replica check, `ReplicaDivergenceError`).
+`replicas` (the replica check, `ReplicaDivergenceError`), `preemption` (saving on a stop
+signal, `Preempted`).
 """
 
 from keras_mirror_kit.callbacks.synced_checkpoint.callback import SyncedCheckpoint
+from keras_mirror_kit.callbacks.synced_checkpoint.preemption import PREEMPTED_EXIT_CODE, Preempted
 from keras_mirror_kit.callbacks.synced_checkpoint.replicas import ReplicaDivergenceError
 
-__all__ = ["ReplicaDivergenceError", "SyncedCheckpoint"]
+__all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "ReplicaDivergenceError", "SyncedCheckpoint"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import numbers
 import os
+import signal
 import weakref
 from typing import Any
 
@@ -13,27 +14,31 @@ import numpy as np
 
 from keras_mirror_kit.callbacks.callback_list import find_callback_list
 from keras_mirror_kit.callbacks.progress import steps_done
+from keras_mirror_kit.callbacks.synced_checkpoint.background import BackgroundWriter
+from keras_mirror_kit.callbacks.synced_checkpoint.best import BestKeeper
 from keras_mirror_kit.callbacks.synced_checkpoint.callback_state import (
     apply_callback_states,
     best_weights_restored,
     callback_states,
 )
 from keras_mirror_kit.callbacks.synced_checkpoint.hooks import Hook, place
+from keras_mirror_kit.callbacks.synced_checkpoint.preemption import PreemptionGuard
 from keras_mirror_kit.callbacks.synced_checkpoint.replicas import (
     check_replicas,
     log_batch_norm_gap,
 )
+from keras_mirror_kit.callbacks.synced_checkpoint.restore import model_config
 from keras_mirror_kit.callbacks.synced_checkpoint.resume import (
     check_workers_agree,
     data_description,
     restore_latest,
 )
+from keras_mirror_kit.callbacks.synced_checkpoint.snapshot import StateSnapshot, take_snapshot
 from keras_mirror_kit.callbacks.synced_checkpoint.state import (
     build_optimizer,
-    check_finite,
-    state_arrays,
     state_variables,
 )
+from keras_mirror_kit.checkpoint_lock import DirectoryLock
 from keras_mirror_kit.checkpoint_store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.data import DatasetCursor, cursor_of
 from keras_mirror_kit.distribution import is_chief
@@ -118,17 +123,44 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             when the data no longer matches a mid-epoch checkpoint.
         allow_non_finite: Save states holding NaN or Inf instead of refusing them (the
             newest finite checkpoint is kept regardless).
+        monitor: With `keep_best`, the value of `fit()`'s logs that ranks checkpoints
+            (`"val_loss"`, `"val_accuracy"`, ...). Epoch-end saves use the epoch's logs,
+            mid-epoch saves the batch's; a save without the value is not ranked (a warning
+            once per `fit`, as Keras' `ModelCheckpoint` warns).
+        mode: `"min"`, `"max"` or `"auto"` (as `ModelCheckpoint`: losses are minimized,
+            a metric by its direction; `ValueError` when it cannot be told).
+        keep_best: Keep the `keep_best` best checkpoints by `monitor` besides the newest
+            `keep` (like Lightning's `save_top_k` with `save_last`); 0 (default): off.
+        preemption_signals: Signals (numbers or names) that make `fit()` finish the current
+            step, save it (every worker at the same step) and end the process with
+            `Preempted` (status 75, `PREEMPTED_EXIT_CODE`); default `(signal.SIGTERM,)`,
+            add e.g. `signal.SIGUSR1` for Slurm's `--signal`, `()` for none. Handled while
+            `fit()` runs in the main thread; the previous handlers are put back after it.
+        async_save: Write each checkpoint in a background thread while training goes on.
+            The chief takes a snapshot of the state at the step boundary (read on the
+            devices: about one copy of the state until it is written); the next save and
+            the end of `fit` wait for the previous write (`wait_for_pending_save()` too),
+            and a failed write raises `CheckpointWriteError` at the next training step or
+            at the end of `fit`. A kill during a background write leaves the previous
+            checkpoint loadable, as a synchronous save does.
 
     Raises:
         TypeError: On a wrong argument type.
-        ValueError: On a bad `save_freq`, `keep` or `dataset`; after the first batch, when
-            `fit` iterates another dataset than `dataset=`.
+        ValueError: On a bad `save_freq`, `keep`, `keep_best`, `mode` or `dataset`; at a
+            save with `mode="auto"`, for a `monitor` whose direction is unknown; after the
+            first batch, when `fit` iterates another dataset than `dataset=`.
         CheckpointError: At `on_train_begin`, before any training step, for an unusable
             directory or a checkpoint of another model or optimizer (or a data mismatch
             with `strict=True`); at a save, for a state holding NaN or Inf.
+        CheckpointLockedError: At `on_train_begin`, when another live run holds the
+            directory's lock (`writer.lock`; a stale one is taken over with a
+            `StaleLockWarning`).
         CheckpointWriteError: When a save fails (disk full, read-only); earlier
-            checkpoints stay intact.
+            checkpoints stay intact. With `async_save=True`, at the next training step
+            or at the end of `fit`.
         ReplicaDivergenceError: When replicas diverged (with `verify_replicas=True`).
+        Preempted: From `fit()`, after a stop signal, once the step reached is saved (a
+            `SystemExit`: the process ends with status 75 unless it is caught).
 
     Example:
 
@@ -150,6 +182,11 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         verify_atol: float = 0.0,
         strict: bool = False,
         allow_non_finite: bool = False,
+        monitor: str = "val_loss",
+        mode: str = "auto",
+        keep_best: int = 0,
+        preemption_signals: Any = (signal.SIGTERM,),
+        async_save: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(directory, (str, os.PathLike)) or not str(directory):
@@ -175,8 +212,12 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                     "position needed for an exact mid-epoch resume); omit it for other "
                     f"datasets. Received: dataset={type(dataset).__name__}"
                 )
-        self._store = CheckpointStore(directory, keep=keep)
+        self._preemption = PreemptionGuard(preemption_signals)  # validates them
+        self._best = BestKeeper(monitor, mode, keep_best)
+        self._store = CheckpointStore(directory, keep=keep, keep_best=keep_best)
+        self._store.monitor = monitor if keep_best else None
         self.directory = self._store.directory
+        self._lock = DirectoryLock(self.directory)  # one writer per directory (the chief)
         self.save_freq = save_freq
         self.keep = keep
         self.restore = bool(restore)
@@ -184,6 +225,15 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self.verify_atol = float(verify_atol)
         self.strict = bool(strict)
         self.allow_non_finite = bool(allow_non_finite)
+        if not isinstance(async_save, bool):
+            raise TypeError(
+                f"`async_save` must be True or False. Received: async_save={async_save!r}"
+            )
+        self.async_save = async_save
+        self._writer = BackgroundWriter()  # the write in progress with async_save=True
+        self.monitor, self.mode, self.keep_best = monitor, mode, keep_best
+        self._model_config: dict[str, Any] | None = None
+        self.preemption_signals = self._preemption.signals
         self._cursor: DatasetCursor | None = cursor
         self._callback_list: Any = None
         self._original_callbacks: list[Any] = []
@@ -218,6 +268,26 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         return os.path.abspath(self.directory)
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        try:
+            self._begin_training()
+        except BaseException:
+            self._lock.release()  # refused before any step: the directory is free again
+            raise
+
+    def on_fit_exception(self, exception: BaseException) -> None:
+        """Releases the directory's lock when `fit` raised (called by the kit's `fit`)."""
+        self._preemption.stop()  # the signal handlers from before this fit()
+        try:
+            self.wait_for_pending_save()  # a background write lands before the lock goes
+        except Exception as err:  # fit() raises already: report this one, do not mask that
+            logger.error(
+                "keras-mirror-kit: the checkpoint written in the background failed: %s", err
+            )
+        self._lock.release()
+
+    def _begin_training(self) -> None:
+        # A write an earlier fit() left running (it raised) lands before anything is read.
+        self.wait_for_pending_save()
         # A fit() interrupted by an exception never reached on_train_end: clear its epoch.
         self.model._initial_epoch = None  # noqa: SLF001
         self._detach()
@@ -234,6 +304,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             self._cursor is not None and self._cursor.num_batches % per_execution == 0
         )
         if self._is_chief:
+            self._lock.acquire()  # before prepare(), which removes orphaned temporaries
             self._store.prepare()
             if not self.restore and self._fit_index == 0 and self._store.entries():
                 raise CheckpointError(
@@ -252,11 +323,17 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                     f"Received: steps_per_epoch={steps}"
                 )
         build_optimizer(self.model)
+        self._best.begin(self.model)
+        # The architecture, for export outside fit (keras-mirror-kit ckpt export).
+        self._model_config = model_config(self.model) if self._is_chief else None
         if self.restore:
             self._restore()
             check_workers_agree(self.model, self.last_restored, self._resume_skip, self.directory)
+        self._preemption.start(self.model)  # save on SIGTERM (preemption.py)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._steps_in_fit and self._preemption.pending():  # no collective here
+            self._raise_preempted()  # the previous epoch's end was saved
         if self._head is None:
             self._before_epoch()
         self._epoch = epoch
@@ -267,6 +344,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             self._cursor.set(epoch, self._epoch_skip)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._writer.raise_if_failed()  # a background write that failed: stop here
         # With steps_per_execution > 1 Keras reports the last step of each execution (past
         # the end of the epoch for a partial last execution).
         num_batches = self._epoch_length()
@@ -287,7 +365,17 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             if mark > self._last_save_mark:
                 self._last_save_mark = mark
                 if num_batches is None or done < num_batches:
-                    self._save(epoch=self._epoch, step=done, epoch_end=False, stopped=False)
+                    self._save(
+                        epoch=self._epoch, step=done, epoch_end=False, stopped=False, logs=logs
+                    )
+        guard = self._preemption  # a stop signal: one attribute read per step without one
+        if self._steps_in_fit >= guard.next_check and guard.should_stop(self._steps_in_fit):
+            if num_batches is None or done < num_batches:  # else: at the epoch's end save
+                if self._last_save != (self._epoch, done, False, False):
+                    self._save(
+                        epoch=self._epoch, step=done, epoch_end=False, stopped=False, logs=logs
+                    )
+                self._raise_preempted()
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if self._head is None:
@@ -298,12 +386,20 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         num_batches = self._epoch_length()
         if stopped and num_batches is not None and self._steps_in_epoch < num_batches:
             # Stopped part-way through the epoch: record where, not a finished epoch.
-            self._save(epoch=epoch, step=self._steps_in_epoch, epoch_end=False, stopped=True)
+            self._save(
+                epoch=epoch, step=self._steps_in_epoch, epoch_end=False, stopped=True, logs=logs
+            )
         else:
-            self._save(epoch=epoch + 1, step=0, epoch_end=True, stopped=stopped)
+            self._save(epoch=epoch + 1, step=0, epoch_end=True, stopped=stopped, logs=logs)
         self._epoch_skip = 0
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        try:
+            self._end_training()
+        finally:
+            self._lock.release()
+
+    def _end_training(self) -> None:
         # Keras' BackupAndRestore leaves this set, so a later fit() skips epochs.
         self.model._initial_epoch = None  # noqa: SLF001
         if self._trained and self._last_save is not None:
@@ -318,6 +414,41 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._resume_epoch = None
         self._resume_skip = 0
         self._detach()
+        self.wait_for_pending_save()  # fit() returns once every checkpoint is written
+        if self._preemption.finish(self._steps_in_fit):  # a signal in the last epoch's end
+            self._raise_preempted()
+
+    def wait_for_pending_save(self) -> None:
+        """Waits until the checkpoint being written in the background (if any) is written.
+
+        With `async_save=True`, a save returns once its snapshot is taken; this waits for
+        the file and the manifest to be in place. Without a write in progress (or with
+        `async_save=False`) it returns at once.
+
+        Returns:
+            None.
+
+        Raises:
+            CheckpointWriteError: When that write failed (disk full, read-only); earlier
+                checkpoints are intact.
+
+        Example:
+
+        ```python
+        checkpoint = kmk.SyncedCheckpoint("ckpts", save_freq=100, async_save=True)
+        ...
+        checkpoint.wait_for_pending_save()  # e.g. before the process exits on SIGTERM
+        ```
+        """
+        self._writer.wait()
+
+    def _raise_preempted(self) -> None:
+        """Ends the process after a stop signal (`Preempted`): the state is saved."""
+        self.wait_for_pending_save()  # an async_save write must be in place first
+        epoch, step = (self._last_save or (self._epoch, self._steps_in_epoch, False, False))[:2]
+        optimizer = getattr(self.model, "optimizer", None)
+        global_step = int(optimizer.iterations.numpy()) if optimizer is not None else None
+        raise self._preemption.preempted(epoch, step, global_step, str(self.directory))
 
     # -- the callbacks list ------------------------------------------------------------------
 
@@ -394,12 +525,20 @@ class SyncedCheckpoint(keras.callbacks.Callback):
 
     # -- save and restore --------------------------------------------------------------------
 
-    def _save(self, epoch: int, step: int, epoch_end: bool, stopped: bool) -> None:
+    def _save(
+        self,
+        epoch: int,
+        step: int,
+        epoch_end: bool,
+        stopped: bool,
+        logs: dict[str, Any] | None = None,
+    ) -> None:
+        if self._is_chief:
+            self.wait_for_pending_save()  # one snapshot at a time
         named = state_variables(self.model)
-        # Every worker reads the values: SyncOnRead reads are collectives, and every worker
-        # must refuse a non-finite state alike.
-        values = [np.asarray(v.numpy()) for _, v in named]
-        bad = check_finite(named, values, self.allow_non_finite)
+        # Every worker reads the state (reads of on-read variables are collectives) and
+        # refuses a non-finite state alike; the values stay on their devices until written.
+        snapshot = take_snapshot(named, self.allow_non_finite, self.async_save and self._is_chief)
         if self.verify_replicas:
             gap = check_replicas(self.model, named, self.verify_atol)
             if gap and not self._reported_batch_norm:
@@ -407,8 +546,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                 log_batch_norm_gap(gap)
         self._last_save = (int(epoch), int(step), bool(epoch_end), bool(stopped))
         if not self._is_chief:
+            snapshot.release()
             return
-        arrays, paths = state_arrays(named, values)
         optimizer = getattr(self.model, "optimizer", None)
         global_step = int(optimizer.iterations.numpy()) if optimizer is not None else None
         meta = {
@@ -423,14 +562,26 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             # from a rerun of one later stage alone (see resume.restore_latest).
             "script_fit_epochs": [*self._fit_history, self._epochs()],
             "stopped": bool(stopped),
-            "finite": not bad,
+            "finite": not snapshot.non_finite,
             "num_replicas": int(self.model.distribute_strategy.num_replicas_in_sync),
             **data_description(self.model, self._cursor, self._epoch_length()),
-            "variables": paths,
-            "callbacks": callback_states(self._tracked, arrays),
+            "variables": snapshot.paths,
+            "callbacks": callback_states(self._tracked, snapshot.extra),
+            # keep_best: the metric and this save's value (none for the end-of-fit re-save)
+            **self._best.score(self.model, logs, epoch_end and logs is not None, epoch),
+            **({"model_config": self._model_config} if self._model_config else {}),
         }
-        path = self._store.write(arrays, meta)
-        logger.debug("keras-mirror-kit: wrote %s (epoch %d, step %d)", path, epoch, step)
+        if self.async_save:
+            self._writer.submit(lambda: self._write(snapshot, meta))
+        else:
+            self._write(snapshot, meta)
+
+    def _write(self, snapshot: StateSnapshot, meta: dict[str, Any]) -> None:
+        """Writes a snapshot, one variable at a time (in the background with async_save)."""
+        path = self._store.write(snapshot.items(), meta)
+        logger.debug(
+            "keras-mirror-kit: wrote %s (epoch %d, step %d)", path, meta["epoch"], meta["step"]
+        )
 
     def _epochs(self) -> int | None:
         epochs = self.params.get("epochs") if self.params else None

@@ -39,12 +39,60 @@ def _is_unsynced_batch_norm(layer: Any) -> bool:
     )
 
 
-def _finite(value: np.ndarray) -> bool:
-    return value.dtype.kind not in "fc" or bool(np.isfinite(value).all())
+def _all_equal(copies: list[Any]) -> tf.Tensor:
+    """Whether every copy equals replica 0's, each compared on its own device (a bool)."""
+    first = tf.convert_to_tensor(copies[0])
+    equal = []
+    for copy in copies[1:]:
+        with tf.device(copy.device):
+            equal.append(tf.reduce_all(tf.equal(tf.convert_to_tensor(copy), first)))
+    return tf.reduce_all(tf.stack(equal))
+
+
+def _compare_on_devices(copies: list[Any]) -> tf.Tensor:
+    """Per replica, on its own device: [equal to replica 0, all finite, max |difference|].
+
+    Replica 0's copy is brought to each other replica's device (one variable at a time);
+    only the three scalars per replica are stacked for the host.
+    """
+    rows = []
+    first = tf.convert_to_tensor(copies[0])
+    for copy in copies:
+        with tf.device(copy.device):
+            here = tf.convert_to_tensor(copy)
+            there = tf.identity(first)  # replica 0's values, copied to this device
+            if here.dtype.is_complex:
+                here = tf.stack([tf.math.real(here), tf.math.imag(here)])
+                there = tf.stack([tf.math.real(there), tf.math.imag(there)])
+            same = tf.equal(here, there)
+            if here.dtype.is_floating:
+                same = tf.logical_or(
+                    same, tf.logical_and(tf.math.is_nan(here), tf.math.is_nan(there))
+                )
+                finite = tf.reduce_all(tf.math.is_finite(here))
+            else:
+                finite = tf.constant(True)
+            if here.dtype == tf.bool:
+                gap = tf.cast(tf.logical_not(tf.reduce_all(same)), tf.float64)
+            elif here.dtype.is_floating:  # in its own precision: no wider temporaries
+                gap = tf.cast(tf.reduce_max(tf.abs(here - there)), tf.float64)
+            else:
+                gap = tf.reduce_max(tf.abs(tf.cast(here, tf.float64) - tf.cast(there, tf.float64)))
+            rows.append(
+                tf.stack(
+                    [tf.cast(tf.reduce_all(same), tf.float64), tf.cast(finite, tf.float64), gap]
+                )
+            )
+    return tf.stack(rows)
 
 
 def check_replicas(model: Any, variables: list[tuple[str, Any]], atol: float) -> float:
     """Checks that the per-replica copies of every mirrored variable of `model` are equal.
+
+    The copies are compared where they live, and only scalars come to the host: each
+    replica's copy against replica 0's, on that replica's device (replica 0's values are
+    brought there; one boolean per variable comes back); then, for the variables whose
+    copies differ, whether each copy is finite and the largest difference, likewise.
 
     Variables synchronized on read are skipped (their copies legitimately differ). So are
     the moving statistics of a `BatchNormalization` without synchronized statistics: their
@@ -81,23 +129,30 @@ def check_replicas(model: Any, variables: list[tuple[str, Any]], atol: float) ->
     diverged: list[str] = []
     non_finite: list[str] = []
     batch_norm_gap = 0.0
+    mirrored: list[tuple[Any, list[Any]]] = []
     for _, variable in variables:
         value = getattr(variable, "value", variable)
         if getattr(value, "synchronization", None) == tf.VariableSynchronization.ON_READ:
             continue
-        copies = strategy.experimental_local_results(value)
-        if len(copies) < 2:
+        copies = list(strategy.experimental_local_results(value))
+        if len(copies) >= 2:
+            mirrored.append((variable, copies))
+    if not mirrored:
+        return 0.0
+    # Each copy against replica 0's where it lives: one transfer of one bool per variable.
+    equal = np.asarray(tf.stack([_all_equal(copies) for _, copies in mirrored]))
+    differing = [pair for pair, same in zip(mirrored, equal) if not same]
+    compared = [(variable, _compare_on_devices(copies)) for variable, copies in differing]
+    # The copies that differ bit for bit, compared exactly: three scalars per replica.
+    results = np.asarray(tf.stack([rows for _, rows in compared])) if compared else []
+    for (variable, _), rows in zip(compared, results):
+        if rows[:, 0].all():  # every copy equal to replica 0's (NaN where it has NaN)
             continue
-        first = np.asarray(copies[0])
-        if all(np.array_equal(np.asarray(c), first, equal_nan=True) for c in copies):
-            continue
-        broken = [i for i, c in enumerate(copies) if not _finite(np.asarray(c))]
+        broken = [i for i, row in enumerate(rows) if not row[1]]
         if broken:  # NaN/Inf on some replicas: say so, not "max |diff| nan"
             non_finite.append(f"{variable.path} (NaN or Inf on replica {broken})")
             continue
-        gap = max(
-            float(np.max(np.abs(np.asarray(c, np.float64) - first), initial=0.0)) for c in copies
-        )
+        gap = max(0.0, float(rows[:, 2].max()))
         if gap <= atol:
             continue
         if id(variable) in batch_norm_ids:

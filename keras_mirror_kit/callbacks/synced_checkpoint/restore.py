@@ -1,0 +1,326 @@
+"""Using `SyncedCheckpoint` checkpoints outside `fit`: load into a model, export to Keras.
+
+`restore(model, directory)` puts the newest good (or a named, or the best) checkpoint's
+weights, and optionally its optimizer state, into a model for evaluation, prediction or
+export. `export_checkpoint(directory, to)` writes a checkpoint in Keras' own formats
+(`.keras` or `.weights.h5`), which load with plain Keras, without the kit. The model's
+architecture comes from the checkpoint (each save records `keras.saving.
+serialize_keras_object(model)` when the model serializes) or from a factory you name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import keras
+
+from keras_mirror_kit.callbacks.synced_checkpoint.paths import auto_name_prefixes, match_state
+from keras_mirror_kit.callbacks.synced_checkpoint.state import build_optimizer, state_variables
+from keras_mirror_kit.checkpoint_store import (
+    CheckpointError,
+    CheckpointStore,
+    LoadedCheckpoint,
+    best_entries,
+)
+
+__all__ = ["export_checkpoint", "load_checkpoint", "model_config", "restore"]
+
+logger = logging.getLogger("keras_mirror_kit")
+
+_EXPORT_SUFFIXES = (".keras", ".weights.h5")
+
+
+def model_config(model: Any) -> dict[str, Any] | None:
+    """The model's architecture as Keras serializes it, or None when it does not serialize.
+
+    Args:
+        model: A Keras model.
+
+    Returns:
+        `keras.saving.serialize_keras_object(model)` (JSON-able), or None (a subclassed
+        model without `get_config`, a layer that cannot be serialized).
+
+    Example:
+
+    ```python
+    meta["model_config"] = model_config(model)
+    ```
+    """
+    try:
+        config = keras.saving.serialize_keras_object(model)
+        json.dumps(config)
+    except Exception as err:  # any layer's get_config may fail: the checkpoint goes on
+        logger.debug("keras-mirror-kit: the model's architecture is not recorded (%s)", err)
+        return None
+    return config
+
+
+def _directory_store(directory: str | os.PathLike[str]) -> CheckpointStore:
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"There is no checkpoint directory {str(path)!r}. Pass the directory given to "
+            f"SyncedCheckpoint. Received: directory={str(directory)!r}"
+        )
+    return CheckpointStore(path)
+
+
+def load_checkpoint(
+    directory: str | os.PathLike[str], name: str | None = None
+) -> LoadedCheckpoint:
+    """Reads and verifies a checkpoint of a directory, without a model.
+
+    Args:
+        directory: A `SyncedCheckpoint` directory.
+        name: None for the newest good checkpoint (a corrupt newer one is skipped with a
+            `CorruptCheckpointWarning`), `"best"` for the best by the metric of
+            `keep_best`, or a file name (`"ckpt-00000004.npz"`, `"ckpt-00000004"`) or number
+            (`"4"`).
+
+    Returns:
+        The checkpoint (its metadata; its arrays are read when asked for).
+
+    Raises:
+        CheckpointError: No such directory or checkpoint, none usable, or a named one that
+            fails verification.
+
+    Example:
+
+    ```python
+    ckpt = load_checkpoint("ckpts")
+    print(ckpt.meta["epoch"], ckpt.meta["step"])
+    ```
+    """
+    store = _directory_store(directory)
+    entries = store.entries()
+    if name is None:
+        loaded = store.load_latest()
+        if loaded is None:
+            raise CheckpointError(
+                f"The checkpoint directory {str(directory)!r} holds no usable checkpoint "
+                f"({len(entries)} file(s), none readable). Pass the directory a "
+                f"SyncedCheckpoint wrote to. Received: directory={str(directory)!r}"
+            )
+        return loaded
+    if name == "best":
+        scored = [e for e in entries if e.get("score") is not None and e.get("monitor")]
+        if not scored:
+            raise CheckpointError(
+                f"No checkpoint in {str(directory)!r} records a score: write them with "
+                "SyncedCheckpoint(keep_best=..., monitor=...), or pass name=None for the "
+                f"newest. Received: name='best'"
+            )
+        entry = best_entries(entries, scored[-1]["monitor"])[0]
+    else:
+        entry = _named_entry(entries, name, directory)
+    try:
+        return store.read(entry)
+    except ValueError as err:
+        raise CheckpointError(
+            f"The checkpoint {entry['file']!r} in {str(directory)!r} fails verification: "
+            f"{err}. Choose another one (keras-mirror-kit ckpt ls), or pass name=None for "
+            f"the newest good one. Received: name={name!r}"
+        ) from err
+
+
+def _named_entry(entries: list[dict[str, Any]], name: str, directory: Any) -> dict[str, Any]:
+    """The entry called `name` (file name, with or without `.npz`, or number)."""
+    wanted = str(name)
+    for entry in entries:
+        file = str(entry["file"])
+        if wanted in (file, file.removesuffix(".npz")) or (
+            wanted.isdigit() and int(wanted) == entry["index"]
+        ):
+            return entry
+    names = ", ".join(str(e["file"]) for e in entries) or "none"
+    raise CheckpointError(
+        f"There is no checkpoint {wanted!r} in {str(directory)!r} (checkpoints: {names}). "
+        f"Received: name={name!r}"
+    )
+
+
+def restore(
+    model: Any,
+    directory: str | os.PathLike[str],
+    name: str | None = None,
+    *,
+    optimizer: bool | str = "auto",
+) -> LoadedCheckpoint:
+    """Loads a `SyncedCheckpoint` checkpoint into a model, outside `fit`.
+
+    Variables are matched by path (as when `fit` resumes), never by position: a
+    checkpoint of another architecture is refused and nothing is assigned.
+
+    Args:
+        model: A built Keras model of the architecture that wrote the checkpoint.
+        directory: The checkpoint directory.
+        name: None for the newest good checkpoint, `"best"` for the best by the metric of
+            `keep_best`, or a checkpoint's file name or number (`keras-mirror-kit ckpt ls`).
+        optimizer: `"auto"`: restore the optimizer's state too when the model is compiled
+            and its optimizer built; True: restore it (building the optimizer of a
+            compiled model); False: weights only.
+
+    Returns:
+        The checkpoint restored (`.meta` holds its epoch, step, ...).
+
+    Raises:
+        ValueError: When the model is not built, or `optimizer=True` without a compiled
+            model, or `optimizer` is not a bool or `"auto"`.
+        CheckpointError: No usable checkpoint, or one of another model or optimizer.
+
+    Example:
+
+    ```python
+    model = build_model()
+    kmk.restore(model, "ckpts")          # the newest good checkpoint's weights
+    model.evaluate(test_ds)
+    ```
+    """
+    if optimizer not in (True, False, "auto"):
+        raise ValueError(
+            f"`optimizer` must be True, False or 'auto'. Received: optimizer={optimizer!r}"
+        )
+    if not getattr(model, "built", False):
+        raise ValueError(
+            "restore() needs a built model, so that its variables exist: build it first "
+            "(a keras.Input in the model, model.build(input_shape), or a call on a batch). "
+            f"Received: model={type(model).__name__} (not built)"
+        )
+    opt = getattr(model, "optimizer", None)
+    if optimizer is True:
+        if opt is None:
+            raise ValueError(
+                "restore(optimizer=True) needs a compiled model (its optimizer receives the "
+                "saved state). Compile the model first, or pass optimizer=False. "
+                "Received: optimizer=True"
+            )
+        build_optimizer(model)
+    with_optimizer = opt is not None and bool(opt.built) and optimizer is not False
+    loaded = load_checkpoint(directory, name)
+    groups = ("model", "optimizer") if with_optimizer else ("model",)
+    legacy = loaded.meta.get("state") != "variables"
+    named = [pair for pair in state_variables(model, legacy=legacy) if pair[0] in groups]
+    roots = [model.name] if isinstance(getattr(model, "name", None), str) else []
+    matched = match_state(named, loaded, directory, auto_name_prefixes(model), groups, roots)
+    opened = loaded.arrays if hasattr(loaded.arrays, "__enter__") else contextlib.nullcontext()
+    with opened:  # type: ignore[attr-defined]
+        for key, (_, variable) in matched:
+            variable.assign(loaded.arrays[key])
+    logger.info(
+        "keras-mirror-kit: restored %s (epoch %s, step %s%s) into %s",
+        loaded.path.name,
+        loaded.meta.get("epoch"),
+        loaded.meta.get("step"),
+        ", with the optimizer state" if with_optimizer else "",
+        getattr(model, "name", type(model).__name__),
+    )
+    return loaded
+
+
+def _factory(spec: str) -> Callable[[], Any]:
+    """The callable named by `"module:function"` (or `"path/to/file.py:function"`)."""
+    module_name, _, attribute = spec.rpartition(":")
+    if not module_name or not attribute:
+        raise ValueError(
+            "The model factory must be given as 'module:function' (or 'file.py:function'), "
+            f"a function that returns the model. Received: model={spec!r}"
+        )
+    if module_name.endswith(".py"):
+        spec_obj = importlib.util.spec_from_file_location("_kmk_model_factory", module_name)
+        if spec_obj is None or spec_obj.loader is None:
+            raise ValueError(f"Cannot import {module_name!r}. Received: model={spec!r}")
+        module = importlib.util.module_from_spec(spec_obj)
+        spec_obj.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ValueError(
+            f"{module_name!r} has no callable {attribute!r}. Received: model={spec!r}"
+        )
+    return factory
+
+
+def export_checkpoint(
+    directory: str | os.PathLike[str],
+    to: str | os.PathLike[str],
+    name: str | None = None,
+    model: str | Callable[[], Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Writes a checkpoint as a Keras `.keras` model or `.weights.h5` weights file.
+
+    The file loads with plain Keras (`keras.saving.load_model(path)`, or
+    `model.load_weights(path)` on the same architecture), without the kit. It is written
+    atomically (a temporary file, then renamed).
+
+    Args:
+        directory: The checkpoint directory.
+        to: The file to write; its name ends in `.keras` or `.weights.h5`.
+        name: Which checkpoint (as for `restore`); None: the newest good one.
+        model: Where the architecture comes from: None for the one the checkpoint records,
+            or a factory (a callable, or `"module:function"`) returning the model.
+        overwrite: Replace an existing file at `to`.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: A bad file name or factory.
+        FileExistsError: `to` exists and `overwrite` is False.
+        CheckpointError: No usable checkpoint, no recorded architecture and no factory, or
+            a checkpoint of another model.
+
+    Example:
+
+    ```python
+    export_checkpoint("ckpts", "model.keras")
+    model = keras.saving.load_model("model.keras")
+    ```
+    """
+    target = Path(to)
+    if not target.name.endswith(_EXPORT_SUFFIXES) or target.name in _EXPORT_SUFFIXES:
+        raise ValueError(
+            "The export file's name must end in '.keras' (the whole model) or "
+            f"'.weights.h5' (its weights). Received: to={str(to)!r}"
+        )
+    if target.exists() and not overwrite:
+        raise FileExistsError(
+            f"{str(target)!r} exists; it is left as it is. Choose another file name, or "
+            f"pass overwrite=True (--overwrite). Received: to={str(to)!r}"
+        )
+    loaded = load_checkpoint(directory, name)
+    if model is None:
+        config = loaded.meta.get("model_config")
+        if not config:
+            raise CheckpointError(
+                f"The checkpoint {loaded.path.name!r} does not record the model's "
+                "architecture (a model that does not serialize, or a checkpoint of an older "
+                "kit). Pass the function that builds the model: --model module:function "
+                "(or model=build_model). Received: model=None"
+            )
+        built = keras.saving.deserialize_keras_object(config)
+    else:
+        built = (_factory(model) if isinstance(model, str) else model)()
+    restore(built, directory, loaded.path.name, optimizer=False)
+    suffix = ".keras" if target.name.endswith(".keras") else ".weights.h5"
+    tmp = target.with_name(f".{target.name}.{os.urandom(4).hex()}.tmp{suffix}")
+    try:
+        if suffix == ".keras":
+            built.save(tmp)
+        else:
+            built.save_weights(tmp)
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    logger.info("keras-mirror-kit: exported %s to %s", loaded.path.name, target)
+    return target

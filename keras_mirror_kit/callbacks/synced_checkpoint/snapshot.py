@@ -1,0 +1,184 @@
+"""The state one save writes, read where it lives and brought to the host one array at a time.
+
+`take_snapshot` reads every variable of the state on its device, checks on the device that
+the floating-point ones are finite (only one boolean per variable comes to the host), and
+returns a `StateSnapshot` whose `items()` copies the values to the host one variable at a
+time while the checkpoint file is written, so a save holds about one variable in host
+memory, not the state.
+
+With `hold=True` (asynchronous saves) the snapshot keeps the tensors it read. A read of a
+TensorFlow resource variable is a consistent copy of its value at that instant: the
+variable's buffer is shared until its next update, which then copies it first
+(copy-on-write), so training goes on while a background thread writes the snapshot, and
+the device holds at most one extra copy of the state until it is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from keras_mirror_kit.callbacks.synced_checkpoint.state import global_random_state
+from keras_mirror_kit.checkpoint_store import CheckpointError
+
+__all__ = ["StateSnapshot", "take_snapshot"]
+
+
+def _tf_value(variable: Any) -> Any:
+    """The TensorFlow variable behind a Keras variable (a tensor or TF variable as it is)."""
+    if isinstance(variable, (tf.Tensor, tf.Variable)):
+        return variable
+    return getattr(variable, "value", variable)
+
+
+def _all_finite(tensor: tf.Tensor) -> tf.Tensor | None:
+    """A scalar bool tensor, on the tensor's device: all values finite (None: not floating)."""
+    if tensor.dtype.is_complex:
+        parts = (tf.math.real(tensor), tf.math.imag(tensor))
+        return tf.reduce_all([tf.reduce_all(tf.math.is_finite(p)) for p in parts])
+    if tensor.dtype.is_floating:
+        return tf.reduce_all(tf.math.is_finite(tensor))
+    return None
+
+
+class StateSnapshot:
+    """The values one save writes, in their saved order, read on their devices.
+
+    Made by `take_snapshot`. `items()` yields the arrays one at a time, each copied to the
+    host when it is asked for and released once the next is asked for.
+
+    Args:
+        keys: The array name of each variable (`"model/00000"`, `"optimizer/00003"`).
+        paths: The `"group:path"` of each variable, for the checkpoint's metadata.
+        sources: What each value is read from: the tensor read at snapshot time, or the
+            variable itself (read when written).
+        non_finite: The paths of the variables holding NaN or Inf.
+        extra: Small host arrays written after the variables (Keras' global random state
+            as `"random/global"`; the callbacks' arrays are added here by the caller).
+
+    Example:
+
+    ```python
+    snapshot = take_snapshot(state_variables(model), allow_non_finite=False, hold=False)
+    store.write(snapshot.items(), {"variables": snapshot.paths, ...})
+    ```
+    """
+
+    def __init__(
+        self,
+        keys: list[str],
+        paths: list[str],
+        sources: list[Any],
+        non_finite: list[str],
+        extra: dict[str, np.ndarray],
+    ) -> None:
+        self.keys = keys
+        self.paths = paths
+        self.non_finite = non_finite
+        self.extra = extra
+        self._sources: list[Any] | None = sources
+
+    def items(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Yields `(name, array)` pairs, one host copy at a time (once: the snapshot is spent).
+
+        Yields:
+            The variables' arrays in order, then `extra`'s.
+
+        Raises:
+            RuntimeError: When the snapshot was already written or released.
+
+        Example:
+
+        ```python
+        for name, array in snapshot.items():
+            print(name, array.shape)
+        ```
+        """
+        sources, self._sources = self._sources, None
+        if sources is None:
+            raise RuntimeError("This state snapshot was already written or released.")
+        for i, key in enumerate(self.keys):
+            source, sources[i] = sources[i], None  # the device copy goes once written
+            value = np.asarray(tf.convert_to_tensor(_tf_value(source)))
+            del source
+            yield key, value
+            del value
+        yield from self.extra.items()
+
+    def release(self) -> None:
+        """Drops the tensors held (a snapshot that will not be written).
+
+        Returns:
+            None.
+
+        Example:
+
+        ```python
+        snapshot.release()
+        ```
+        """
+        self._sources = None
+
+
+def take_snapshot(
+    named: list[tuple[str, Any]], allow_non_finite: bool, hold: bool
+) -> StateSnapshot:
+    """Reads the state for a save and checks, on the devices, that it is finite.
+
+    Every worker calls this alike (reads of variables synchronized on read are collectives),
+    and every worker refuses a non-finite state alike. Only one boolean per variable comes
+    to the host.
+
+    Args:
+        named: The `(group, variable)` pairs of `state.state_variables`.
+        allow_non_finite: Record the non-finite variables instead of refusing them.
+        hold: Keep the tensors read now, so that the variables may change before the
+            snapshot is written (asynchronous saves); otherwise the variables are read
+            again, one at a time, when written.
+
+    Returns:
+        The `StateSnapshot`.
+
+    Raises:
+        CheckpointError: When a variable holds NaN or Inf and `allow_non_finite` is False.
+
+    Example:
+
+    ```python
+    snapshot = take_snapshot(state_variables(model), allow_non_finite=False, hold=True)
+    ```
+    """
+    keys: list[str] = []
+    paths: list[str] = []
+    sources: list[Any] = []
+    checks: list[tuple[str, tf.Tensor]] = []
+    for i, (group, variable) in enumerate(named):
+        value = _tf_value(variable)
+        tensor = tf.convert_to_tensor(value)  # on the variable's (primary) device
+        finite = _all_finite(tensor)
+        if finite is not None:
+            checks.append((variable.path, finite))
+        on_read = getattr(value, "synchronization", None) == tf.VariableSynchronization.ON_READ
+        # Reads of on-read variables are collectives: read once here, on every worker.
+        sources.append(tensor if hold or on_read else variable)
+        del tensor
+        keys.append(f"{group}/{i:05d}")
+        paths.append(f"{group}:{variable.path}")
+    flags = np.asarray(tf.stack([flag for _, flag in checks])) if checks else np.ones(0, bool)
+    bad = [path for (path, _), ok in zip(checks, flags) if not ok]
+    if bad and not allow_non_finite:
+        raise CheckpointError(
+            f"The training state holds NaN or Inf in {len(bad)} variable(s): "
+            f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}. Training diverged, so "
+            "no checkpoint was written and the earlier ones (finite) are kept: resume "
+            "from them with a lower learning rate, or pass allow_non_finite=True to save "
+            f"such states anyway. Received: allow_non_finite=False"
+        )
+    extra: dict[str, np.ndarray] = {}
+    global_random = global_random_state()
+    if global_random is not None:
+        extra["random/global"] = global_random
+    return StateSnapshot(keys, paths, sources, bad, extra)

@@ -1,0 +1,487 @@
+"""`keras-mirror-kit doctor`: can this machine run the kit, and does it train right here?
+
+The checks, each `ok`, `warn`, `FAIL` or `skip`: Python, TensorFlow and Keras against the
+supported versions; the Keras backend; GPUs (names, memory), the CUDA/cuDNN build and GPUs
+TensorFlow cannot use; NCCL and the all-reduce `distributed()` would pick; the environment
+variables that change what the kit does; known-bad combinations; and a self-test of about
+20 s in a fresh process: one tiny model trained on 1 replica and on every replica (2
+simulated ones when there are fewer than 2 GPUs) must end with the same weights (within
+1e-6), and an all-reduce bandwidth figure. Exit status 1 when a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+#: Supported ranges, `low <= version < high`: the same as pyproject.toml's requirements.
+SUPPORTED_PYTHON = ((3, 11), (3, 14))
+SUPPORTED_TENSORFLOW = ((2, 21), (3, 0))
+SUPPORTED_KERAS = ((3, 15), (4, 0))
+#: Largest weight difference allowed between the 1-replica and the all-replica run.
+SELF_TEST_ATOL = 1e-6
+#: The size of the tensor the bandwidth figure all-reduces.
+ALL_REDUCE_MIB = 16
+#: Environment variables that change what the kit or TensorFlow does (and any `NCCL_*`).
+ENV_VARS = (
+    "KERAS_BACKEND",
+    "CUDA_VISIBLE_DEVICES",
+    "TF_CONFIG",
+    "KMK_SIMULATE_REPLICAS",
+    "TF_FORCE_GPU_ALLOW_GROWTH",
+    "TF_GPU_ALLOCATOR",
+    "TF_XLA_FLAGS",
+    "XLA_FLAGS",
+    "TF_CPP_MIN_LOG_LEVEL",
+)
+_RESULT = "KMK_DOCTOR_RESULT "
+
+
+def register(sub: Any) -> None:
+    """Adds the `doctor` sub-command to the parser."""
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this machine for the kit (versions, backend, GPUs, NCCL, environment) "
+        "and run a short self-test; exit status 1 when a check fails",
+    )
+    doctor.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    doctor.add_argument(
+        "--no-self-test", action="store_true", help="skip the training and all-reduce self-test"
+    )
+    doctor.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds the self-test may take before it counts as failed (default: 300)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs `keras-mirror-kit doctor`."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
+    report = diagnose(self_test=not args.no_self_test, timeout=args.timeout)
+    if args.json:
+        sys.stdout.write(json.dumps(report, indent=2, default=str) + "\n")
+    else:
+        print_report(report)
+    return 0 if report["ok"] else 1
+
+
+def diagnose(*, self_test: bool = True, timeout: float = 300.0) -> dict[str, Any]:
+    """Checks this machine for keras-mirror-kit, as `keras-mirror-kit doctor` does.
+
+    Args:
+        self_test: Also train a tiny model on 1 and on every replica (in a fresh process)
+            and measure the all-reduce bandwidth.
+        timeout: Seconds the self-test may take.
+
+    Returns:
+        `{"ok": bool, "checks": [{"name", "status", "detail"}], "environment": {...},
+        "info": keras-mirror-kit info's fields or None, "self_test": figures or None}`;
+        `ok` is False when a check has the status `"fail"`.
+
+    Raises:
+        Nothing: what goes wrong is a failed check.
+
+    Example:
+
+    ```python
+    from keras_mirror_kit.cli.doctor import diagnose
+    report = diagnose(self_test=False)
+    failed = [c["name"] for c in report["checks"] if c["status"] == "fail"]
+    ```
+    """
+    checks: list[dict[str, str]] = []
+
+    def check(name: str, status: str, detail: str) -> None:
+        checks.append({"name": name, "status": status, "detail": detail})
+
+    environment = _environment()
+    report: dict[str, Any] = {"environment": environment, "info": None, "self_test": None}
+    python = sys.version_info[:2]
+    check(
+        "python",
+        "ok" if _in_range(python, SUPPORTED_PYTHON) else "fail",
+        f"{sys.version.split()[0]} (supported: {_range_text(SUPPORTED_PYTHON)})",
+    )
+    tf, keras = _import_frameworks(check)
+    if tf is None or keras is None:
+        report.update(checks=checks, ok=False)
+        return report
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        check(
+            "backend",
+            "fail",
+            f"Keras runs on the {backend!r} backend; the kit needs TensorFlow. Set "
+            'KERAS_BACKEND=tensorflow (or "backend": "tensorflow" in ~/.keras/keras.json) '
+            "before Keras is imported.",
+        )
+    else:
+        check("backend", "ok", "tensorflow")
+    _check_workaround_range(keras.__version__, check)
+    info = None
+    if backend == "tensorflow":
+        info = _collect_info(check)
+    report["info"] = info
+    if info is not None:
+        _check_devices(info, check)
+    _check_combinations(environment, info, check)
+    check(
+        "environment",
+        "ok",
+        ", ".join(f"{k}={v}" for k, v in environment.items()) or "none of the variables is set",
+    )
+    if not self_test:
+        check("self-test", "skip", "--no-self-test")
+    elif info is None:
+        check("self-test", "skip", "skipped: fix the failed checks above first")
+    else:
+        gpus = len(info["physical_gpus"])
+        report["self_test"] = _self_test(gpus, timeout, check)
+    report.update(checks=checks, ok=all(c["status"] != "fail" for c in checks))
+    return report
+
+
+def _in_range(version: tuple[int, ...], bounds: tuple[tuple[int, int], tuple[int, int]]) -> bool:
+    return bounds[0] <= version[:2] < bounds[1]
+
+
+def _range_text(bounds: tuple[tuple[int, int], tuple[int, int]]) -> str:
+    (a, b), (c, d) = bounds
+    return f">={a}.{b},<{c}.{d}"
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece else ""
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def _environment() -> dict[str, str]:
+    names = [n for n in ENV_VARS if n in os.environ]
+    names += sorted(n for n in os.environ if n.startswith("NCCL_"))
+    return {n: os.environ[n] for n in names}
+
+
+def _import_frameworks(check: Any) -> tuple[Any, Any]:
+    """Imports TensorFlow and Keras, checking their versions; None for one that fails."""
+    try:
+        import tensorflow as tf
+    except Exception as err:  # ImportError, or a broken CUDA install raising at import
+        check("tensorflow", "fail", f"cannot import TensorFlow: {type(err).__name__}: {err}")
+        tf = None
+    else:
+        ok = _in_range(_version_tuple(tf.__version__), SUPPORTED_TENSORFLOW)
+        check(
+            "tensorflow",
+            "ok" if ok else "fail",
+            f"{tf.__version__} (supported: {_range_text(SUPPORTED_TENSORFLOW)})",
+        )
+    try:
+        import keras
+    except Exception as err:
+        check("keras", "fail", f"cannot import Keras: {type(err).__name__}: {err}")
+        return tf, None
+    ok = _in_range(_version_tuple(keras.__version__), SUPPORTED_KERAS)
+    check(
+        "keras",
+        "ok" if ok else "fail",
+        f"{keras.__version__} (supported: {_range_text(SUPPORTED_KERAS)})",
+    )
+    return tf, keras
+
+
+def _check_workaround_range(keras_version: str, check: Any) -> None:
+    """Warns when Keras is outside the range the upstream-bug workarounds were tested on."""
+    from keras_mirror_kit import keras_workarounds
+
+    low, high = keras_workarounds.TESTED_KERAS
+    if not keras_workarounds.keras_version_in(keras_workarounds.TESTED_KERAS, keras_version):
+        check(
+            "workarounds",
+            "warn",
+            f"Keras {keras_version} is outside the range the multi-worker fit workaround was "
+            f"tested on ({'.'.join(map(str, low))} to {'.'.join(map(str, high))}, "
+            "exclusive); multi-worker training warns or refuses.",
+        )
+
+
+def _collect_info(check: Any) -> dict[str, Any] | None:
+    """`keras-mirror-kit info`'s fields, or None with a failed check."""
+    from keras_mirror_kit.cli import info
+
+    try:
+        return info.collect()
+    except ValueError as err:  # a bad TF_CONFIG or KMK_SIMULATE_REPLICAS
+        check("configuration", "fail", str(err))
+    except Exception as err:
+        check("devices", "fail", f"{type(err).__name__}: {err}")
+    return None
+
+
+def _gpu_memory() -> dict[str, str]:
+    """Total memory per GPU from nvidia-smi, by index, when it is there."""
+    import shutil
+
+    if not shutil.which("nvidia-smi"):
+        return {}
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    rows = (line.split(",", 1) for line in out.splitlines() if "," in line)
+    return {index.strip(): memory.strip() for index, memory in rows}
+
+
+def _check_devices(info: dict[str, Any], check: Any) -> None:
+    gpus = info["gpu_details"]
+    memory = _gpu_memory() if gpus else {}
+    if gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [s.strip() for s in visible.split(",")] if visible else None
+        rows = []
+        for i, gpu in enumerate(gpus):
+            index = ids[i] if ids and i < len(ids) else str(i)
+            rows.append(
+                f"{gpu['name']}: {gpu['device_name']}, {memory.get(index, 'memory ?')}, "
+                f"compute capability {gpu['compute_capability']} (kernels: {gpu['kernels']})"
+            )
+        check("gpus", "ok", f"{len(gpus)}: " + "; ".join(rows))
+    else:
+        check("gpus", "ok", "none visible: the kit trains on the CPU")
+    for warning in info["warnings"]:
+        # A GPU TensorFlow cannot use trains on the CPU in silence: a failure.
+        check("gpus", "fail" if "training runs on the CPU" in warning else "warn", warning)
+    build = info["cuda_build"]
+    if build.get("is_cuda_build"):
+        check(
+            "cuda",
+            "ok",
+            f"TensorFlow built with CUDA {build.get('cuda_version', '?')}, cuDNN "
+            f"{build.get('cudnn_version', '?')}, kernels for "
+            f"{', '.join(build.get('cuda_compute_capabilities') or []) or '?'}",
+        )
+    else:
+        check("cuda", "ok" if not gpus else "fail", "not a CUDA build of TensorFlow")
+    chosen = info["would_choose"]
+    if "replicas" in chosen:
+        detail = (
+            f"{chosen['strategy']} on {chosen['replicas']} replica(s) "
+            f"({', '.join(chosen['devices'])}), all-reduce {chosen['all_reduce']}"
+        )
+    else:
+        detail = f"{chosen['strategy']}, {chosen['workers']} workers, {chosen['all_reduce']}"
+    check("distributed()", "ok", detail)
+    physical = len(info["physical_gpus"])
+    if physical >= 2 and not info["nccl_usable"]:
+        check("nccl", "warn", f"{physical} GPUs but NCCL is not usable: all-reduce is slower")
+    else:
+        check("nccl", "ok", "usable" if info["nccl_usable"] else "not needed (fewer than 2 GPUs)")
+
+
+def _check_combinations(env: dict[str, str], info: dict[str, Any] | None, check: Any) -> None:
+    """Known-bad combinations that the environment shows."""
+    found = False
+    gpus = len(info["physical_gpus"]) if info else 0
+    if "auto_jit" in env.get("TF_XLA_FLAGS", "") and "auto_jit=0" not in env["TF_XLA_FLAGS"]:
+        found = True
+        check(
+            "combinations",
+            "warn",
+            "TF_XLA_FLAGS turns XLA auto-clustering on for every function: Keras turns XLA "
+            "off under tf.distribute for a reason (as with compile(jit_compile=True) on 2+ "
+            "replicas); unset it unless you measured it.",
+        )
+    if env.get("KMK_SIMULATE_REPLICAS") and gpus >= 2:
+        found = True
+        check(
+            "combinations",
+            "warn",
+            f"KMK_SIMULATE_REPLICAS={env['KMK_SIMULATE_REPLICAS']} on a host with {gpus} "
+            "GPUs: the first GPU is split and the others are hidden (meant for tests).",
+        )
+    for name in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"):
+        if env.get(name) == "1":
+            found = True
+            check("combinations", "warn", f"{name}=1: NCCL all-reduce takes a slower path.")
+    if env.get("TF_CONFIG") and env.get("KMK_SIMULATE_REPLICAS"):
+        found = True
+        check(
+            "combinations",
+            "warn",
+            "TF_CONFIG and KMK_SIMULATE_REPLICAS are both set: every worker splits its CPU "
+            "or first GPU (for tests only).",
+        )
+    if not found:
+        check(
+            "combinations",
+            "ok",
+            "none found in the environment (not seen from here: compile(jit_compile=True) "
+            "on 2+ replicas, which Keras' default 'auto' avoids)",
+        )
+
+
+def _self_test(gpus: int, timeout: float, check: Any) -> dict[str, Any] | None:
+    """Runs the self-test in a fresh process (the replica layout is fixed at TF start)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG",)}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if gpus >= 2:
+        env.pop("KMK_SIMULATE_REPLICAS", None)
+        layout = f"{gpus} GPUs"
+    else:
+        env["KMK_SIMULATE_REPLICAS"] = "2"
+        layout = "2 replicas simulated on " + ("the GPU" if gpus else "the CPU")
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "keras_mirror_kit.cli.doctor"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        check("self-test", "fail", f"did not finish within --timeout {timeout:g} s")
+        return None
+    seconds = time.perf_counter() - start
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULT)]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        check("self-test", "fail", f"exit {proc.returncode}: " + " | ".join(tail))
+        return None
+    result = json.loads(lines[-1][len(_RESULT) :])
+    result.update(layout=layout, seconds=round(seconds, 1))
+    agree = result["max_abs_diff"] <= SELF_TEST_ATOL and result["finite"]
+    check(
+        "self-test",
+        "ok" if agree else "fail",
+        f"1 replica vs {result['replicas']} ({layout}): weights differ by at most "
+        f"{result['max_abs_diff']:.1e} (limit {SELF_TEST_ATOL:g}) after {result['steps']} "
+        f"steps; {seconds:.0f} s",
+    )
+    check(
+        "all-reduce",
+        "ok" if result["all_reduce_correct"] else "fail",
+        f"{result['all_reduce_mib']} MiB over {result['replicas']} replicas with "
+        f"{result['cross_device_ops']}: {result['all_reduce_ms']:.2f} ms, "
+        f"{result['algbw_gbps']:.2f} GB/s algorithm bandwidth, "
+        f"{result['busbw_gbps']:.2f} GB/s bus bandwidth"
+        + ("" if result["all_reduce_correct"] else "; WRONG SUM"),
+    )
+    return result
+
+
+def _self_test_worker() -> dict[str, Any]:
+    """The self-test's own process: 1 vs all replicas, then the all-reduce figure."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_mirror_kit as kmk
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype("float32")
+    y = (x @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(512, 1))).astype("float32")
+    epochs, global_batch = 2, 32
+    keras.utils.set_random_seed(0)
+    initial = None
+
+    def train(devices: list[str] | None) -> tuple[list[Any], Any]:
+        nonlocal initial
+
+        @kmk.distributed(global_batch_size=global_batch, devices=devices)
+        def build() -> Any:
+            model = keras.Sequential(
+                [
+                    keras.Input((8,)),
+                    keras.layers.Dense(16, activation="tanh"),
+                    keras.layers.Dense(1),
+                ]
+            )
+            model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+            return model
+
+        model = build()
+        if initial is None:
+            initial = model.get_weights()
+        model.set_weights(initial)
+        dataset = kmk.make_dataset(x, y, global_batch, shuffle=False)
+        model.fit(dataset, epochs=epochs, verbose=0)
+        return model.get_weights(), build.distribution
+
+    every, dist = train(None)
+    one, _ = train([dist.devices[0]])
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one, every))
+    finite = all(bool(np.all(np.isfinite(w))) for w in every + one)
+
+    strategy, n = dist.strategy, dist.num_replicas
+    size = ALL_REDUCE_MIB * 2**20 // 4
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.fill([size], float(ctx.replica_id_in_sync_group + 1))
+    )
+
+    @tf.function
+    def all_reduce(t: Any) -> Any:
+        return strategy.run(
+            lambda v: tf.distribute.get_replica_context().all_reduce("SUM", v), (t,)
+        )
+
+    def first(out: Any) -> float:
+        return float(strategy.experimental_local_results(out)[0][0].numpy())
+
+    for _ in range(2):
+        first(all_reduce(values))
+    repeats = 10
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = all_reduce(values)
+    correct = first(out) == n * (n + 1) / 2
+    seconds = (time.perf_counter() - start) / repeats
+    algbw = size * 4 / seconds / 1e9
+    return {
+        "replicas": n,
+        "devices": list(dist.devices),
+        "cross_device_ops": dist.cross_device_ops,
+        "steps": epochs * (len(x) // global_batch),
+        "max_abs_diff": diff,
+        "finite": finite,
+        "all_reduce_mib": ALL_REDUCE_MIB,
+        "all_reduce_ms": seconds * 1e3,
+        "all_reduce_correct": bool(correct),
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * 2 * (n - 1) / n,
+    }
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """Prints the report as a table (what `doctor` without `--json` shows)."""
+    marks = {"ok": "ok", "warn": "warn", "fail": "FAIL", "skip": "skip"}
+    lines = ["keras-mirror-kit doctor"]
+    for c in report["checks"]:
+        lines.append(f"  {marks[c['status']]:<4}  {c['name']:<14} {c['detail']}")
+    failed = [c["name"] for c in report["checks"] if c["status"] == "fail"]
+    warned = [c["name"] for c in report["checks"] if c["status"] == "warn"]
+    if failed:
+        lines.append(f"{len(failed)} check(s) failed: {', '.join(failed)}")
+    else:
+        lines.append("all checks passed" + (f" ({len(warned)} warning(s))" if warned else ""))
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.stdout.write(_RESULT + json.dumps(_self_test_worker()) + "\n")

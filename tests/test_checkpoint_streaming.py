@@ -1,0 +1,164 @@
+"""Checkpoints of big models (issue 12 items 1 and 2): a save streams the state variable by
+variable into its file, a restore reads it back variable by variable, the replica check
+compares the copies on their devices, and files written by keras-mirror-kit 0.1.0 (in one
+piece) still resume exactly.
+
+Host memory is measured with `tracemalloc`, which sees NumPy's buffers and Python's bytes
+(everything a save or a restore copies to the host), not TensorFlow's own tensors.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tracemalloc
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+import keras_mirror_kit as kmk
+from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
+from keras_mirror_kit.callbacks.synced_checkpoint.replicas import (
+    ReplicaDivergenceError,
+    check_replicas,
+)
+from keras_mirror_kit.callbacks.synced_checkpoint.state import state_variables
+from keras_mirror_kit.checkpoint_store import CheckpointStore
+from tests.ckpt_helpers import CountBatches, build, dataset, max_diff
+
+MIB = 1 << 20
+ARRAYS, ARRAY_MIB = 16, 2  # a 32 MiB state of 2 MiB arrays
+OLD_FILES = Path(__file__).parent / "data" / "ckpt-v0.1.0"
+
+
+def _state():
+    """The arrays, each made only when asked for (as the callback reads variables)."""
+    for i in range(ARRAYS):
+        yield f"model/{i:05d}", np.full(ARRAY_MIB * MIB // 4, i, np.float32)
+
+
+def _peak_during(action) -> int:
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        action()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_save_and_a_restore_hold_about_one_array_not_the_state(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.prepare()
+    state = ARRAYS * ARRAY_MIB * MIB
+    saved = _peak_during(lambda: store.write(_state(), {"epoch": 1, "step": 0}))
+    # 0.1.0 built the whole file in memory (BytesIO, then a copy): over 2x the state.
+    assert saved <= 0.25 * state, f"save peak {saved / MIB:.1f} MiB of a 32 MiB state"
+
+    def restore():
+        loaded = store.load_latest()
+        assert loaded is not None and len(loaded.arrays) == ARRAYS
+        for i, key in enumerate(sorted(loaded.arrays)):
+            array = loaded.arrays[key]
+            assert array.shape == loaded.shapes[key] and array[0] == i and array[-1] == i
+            del array
+
+    restored = _peak_during(restore)
+    assert restored <= 0.25 * state, f"restore peak {restored / MIB:.1f} MiB"
+
+    # The streamed file is an ordinary .npz (what 0.1.0 and NumPy read), still verified.
+    path = tmp_path / store.entries()[-1]["file"]
+    with np.load(path, allow_pickle=False) as npz:
+        assert npz["model/00003"][7] == 3 and len(npz.files) == ARRAYS + 1
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 1  # one bit flipped inside an array
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="SHA-256"):
+        store.read(store.entries()[-1])
+    with pytest.raises(ValueError, match="CRC"):  # without the manifest's hash: the CRCs
+        store.read({"file": path.name})
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_of_the_callback_copies_one_variable_at_a_time_to_the_host(tmp_path, async_save):
+    @kmk.distributed(global_batch_size=16)
+    def big():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential(
+            [keras.Input((256,))]
+            + [keras.layers.Dense(1024, activation="relu") for _ in range(3)]
+            + [keras.layers.Dense(3)]
+        )
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        return model
+
+    model = big()
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 256)).astype("float32"), rng.integers(0, 3, 32)
+    mode = {"async_save": True} if async_save else {}  # the default: synchronous
+    checkpoint = SyncedCheckpoint(tmp_path, save_freq="epoch", **mode)
+    peaks: list[int] = []
+
+    class Before(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            tracemalloc.start()
+            tracemalloc.reset_peak()
+
+    class After(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if async_save:
+                checkpoint.wait_for_pending_save()  # the write, in the background
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+
+    model.fit(x, y, epochs=1, verbose=0, callbacks=[Before(), checkpoint, After()])
+    sizes = [int(np.prod(v.shape)) * 4 for _, v in state_variables(model)]  # Adam built
+    state, largest = sum(sizes), max(sizes)
+    assert state > 24 * MIB and peaks and CheckpointStore(tmp_path).load_latest() is not None
+    # Before: every variable copied to NumPy, then the whole .npz built in memory (>2x).
+    assert peaks[0] <= max(0.25 * state, 2.5 * largest), (peaks[0] / MIB, state / MIB)
+
+
+def test_the_replica_check_brings_only_scalars_to_the_host():
+    @kmk.distributed(global_batch_size=16)
+    def wide():
+        model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(2048)])
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    model = wide()
+    named = state_variables(model)
+    kernel = model.layers[0].kernel  # 4 MiB, 2 copies
+    assert check_replicas(model, named, atol=0.0) == 0.0
+    peak = _peak_during(lambda: check_replicas(model, named, atol=0.0))
+    assert peak < 1 * MIB, peak / MIB  # before: both copies of each variable, as NumPy
+    copies = model.distribute_strategy.experimental_local_results(kernel.value)
+    copies[1].assign(copies[1] + 1e-3)
+    with pytest.raises(ReplicaDivergenceError, match=r"kernel \(max \|diff\| 0\.001\)"):
+        check_replicas(model, named, atol=1e-4)
+    assert check_replicas(model, named, atol=1e-2) == 0.0  # within the tolerance
+    iterations = model.optimizer.iterations  # an integer variable
+    int_copies = model.distribute_strategy.experimental_local_results(iterations.value)
+    int_copies[1].assign(7)
+    with pytest.raises(ReplicaDivergenceError, match=r"iteration.*max \|diff\| 7"):
+        check_replicas(model, named, atol=1e-2)
+
+
+def test_checkpoints_written_by_0_1_0_resume_exactly(tmp_path):
+    """tests/data/ckpt-v0.1.0 was written by keras-mirror-kit 0.1.0 (commit 7cdaa18: the
+    whole .npz built in memory): tests.ckpt_helpers' Adam model, dataset(), save_freq=4,
+    fit(epochs=3) stopped by StopAt(1, 4); its newest checkpoint is epoch 1, batch 2."""
+    reference, ds = build("adam"), dataset()
+    uninterrupted = SyncedCheckpoint(tmp_path / "reference", save_freq=4, dataset=ds)
+    reference.fit(ds, epochs=3, verbose=0, callbacks=[uninterrupted])
+    directory = tmp_path / "ckpt"
+    shutil.copytree(OLD_FILES, directory)
+    model, ds, counter = build("adam", seed=77), dataset(), CountBatches()
+    checkpoint = SyncedCheckpoint(directory, save_freq=4, dataset=ds)
+    model.fit(ds, epochs=3, verbose=0, callbacks=[checkpoint, counter])
+    restored = checkpoint.last_restored.meta
+    assert (restored["epoch"], restored["step"], restored["version"]) == (1, 2, 1)
+    assert counter.batches == 4 + 6  # the rest of epoch 1, then epoch 2
+    assert int(model.optimizer.iterations.numpy()) == 18
+    assert max_diff(reference.get_weights(), model.get_weights()) <= 1e-6
