@@ -3,8 +3,9 @@
 With 2 replicas, Keras' `fit` often returned seconds (up to about a minute) after its last
 callback, the CPU idle and the main thread waiting in the destructor of the distributed
 input iterator. The cause is a lost wake-up in TensorFlow's tf.data autotuning thread (see
-`keras_mirror_kit.keras_fit_stall`); the kit's path avoids it. Each run is a fresh Python
-process (the stall depends on thread timing, so it is a matter of chance per process):
+`keras_mirror_kit.workarounds.tf_data_iterator_stall`); the kit's path avoids it. Each
+run is a fresh Python process (the stall depends on thread timing, so it is a matter of
+chance per process):
 2 simulated replicas on the CPU, the tutorial's CNN, a `--steps`-step epoch of synthetic
 CIFAR-shaped data, `--epochs` epochs. The paths alternate run by run:
 
@@ -13,7 +14,7 @@ CIFAR-shaped data, `--epochs` epochs. The paths alternate run by run:
   compiled in `strategy.scope()` (the strategy is given the 2 logical CPUs, as it would
   find 2 GPUs).
 * `kit`: `kmk.distributed()`, `kmk.make_dataset`, `ThroughputMonitor` and
-  `SyncedCheckpoint` every epoch (`distributed()` applies `keras_fit_stall`).
+  `SyncedCheckpoint` every epoch (`distributed()` applies `tf_data_iterator_stall`).
 * optional, for the diagnosis: `kit-no-workaround` (the kit's path with tf.data autotuning
   switched back on and `distributed()`'s `apply` undone) and `tutorial-workaround` (the
   tutorial's pipeline with
@@ -69,8 +70,8 @@ def child(path: str, steps: int, epochs: int, result_file: str) -> int:
     import keras
     import tensorflow as tf
 
-    from keras_mirror_kit import keras_fit_stall
     from keras_mirror_kit.datasets import make_synthetic_cifar10
+    from keras_mirror_kit.workarounds import tf_data_iterator_stall
 
     global_batch = PER_REPLICA_BATCH * REPLICAS
     (x_train, y_train), _ = make_synthetic_cifar10(
@@ -98,7 +99,7 @@ def child(path: str, steps: int, epochs: int, result_file: str) -> int:
         train_dataset = tf.data.Dataset.from_tensor_slices((x_float, y_train))
         train_dataset = train_dataset.shuffle(10000).batch(global_batch)
         if path == "tutorial-workaround":
-            train_dataset = keras_fit_stall.without_autotune(train_dataset)
+            train_dataset = tf_data_iterator_stall.without_autotune(train_dataset)
         train_data = strategy.experimental_distribute_dataset(train_dataset)
         with strategy.scope():
             model = kmk.models.tutorial_cnn()
@@ -106,7 +107,7 @@ def child(path: str, steps: int, epochs: int, result_file: str) -> int:
                 optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"]
             )
         if path == "tutorial-workaround":
-            keras_fit_stall.apply(model)
+            tf_data_iterator_stall.apply(model)
     else:
 
         @kmk.distributed(per_replica_batch_size=PER_REPLICA_BATCH)
@@ -127,9 +128,9 @@ def child(path: str, steps: int, epochs: int, result_file: str) -> int:
             kmk.SyncedCheckpoint(tmp.name, dataset=train_data),
         ]
         if path == "kit-no-workaround":  # distributed() applied the workaround: undo it
-            for method in keras_fit_stall.PATCHED_METHODS:
+            for method in tf_data_iterator_stall.PATCHED_METHODS:
                 vars(model).pop(method, None)  # back to Keras' own fit/evaluate/predict
-            vars(model).pop(keras_fit_stall._APPLIED_FLAG, None)  # noqa: SLF001
+            vars(model).pop(tf_data_iterator_stall._APPLIED_FLAG, None)  # noqa: SLF001
             # and autotuning back on (same cursor)
             options = tf.data.Options()
             options.autotune.enabled = True

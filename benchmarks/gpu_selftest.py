@@ -17,7 +17,7 @@ The checks:
    exception) and resumed by a fresh model: the resumed weights equal the uninterrupted
    run's (TensorFlow's op determinism on).
 4. `float16`: one float16 overflow on replica 1 only: the step is skipped on every replica
-   and the loss scale halved (`keras_mirror_kit.keras_loss_scale`).
+   and the loss scale halved (`keras_mirror_kit.workarounds.keras_loss_scale`).
 4b. `preprocess`: `make_dataset(..., preprocess=kmk.rescale())` on every replica (the
    default for kit-built models) against `preprocess_on="host"`: the same weights, the
    bytes per step copied to the devices (uint8 against float32), and the step times.

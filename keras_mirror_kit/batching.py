@@ -2,71 +2,12 @@
 
 from __future__ import annotations
 
-import numbers
+from keras_mirror_kit.validation import positive_int
 
 __all__ = [
     "global_batch_size",
     "per_replica_batch_size",
-    "validate_non_negative_int",
-    "validate_positive_int",
 ]
-
-
-def _validate_int(name: str, value: object, minimum: int, kind: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"`{name}` must be a {kind} integer. Received: {name}={value!r} "
-            f"(of type {type(value).__name__})"
-        )
-    if value < minimum:
-        raise ValueError(f"`{name}` must be a {kind} integer. Received: {name}={value}")
-    return int(value)
-
-
-def validate_positive_int(name: str, value: object) -> int:
-    """Checks that `value` is a positive integer (bools are rejected).
-
-    Args:
-        name: The argument's name, used in the error message.
-        value: The value to check.
-
-    Returns:
-        `value` as an `int`.
-
-    Raises:
-        TypeError: If `value` is not an integer.
-        ValueError: If `value` is zero or negative.
-
-    Example:
-
-    ```python
-    validate_positive_int("batch_size", 64)  # -> 64
-    ```
-    """
-    return _validate_int(name, value, 1, "positive")
-
-
-def validate_non_negative_int(name: str, value: object) -> int:
-    """Checks that `value` is an integer >= 0 (bools are rejected).
-
-    Args:
-        name: The argument's name, used in the error message.
-        value: The value to check.
-
-    Returns:
-        `value` as an `int`.
-
-    Raises:
-        TypeError: If `value` is not an integer.
-        ValueError: If `value` is negative.
-
-    Example:
-
-    ```python
-    validate_non_negative_int("seed", 0)  # -> 0
-    ```
-    """
-    return _validate_int(name, value, 0, "non-negative")
 
 
 def global_batch_size(per_replica_batch_size: int, num_replicas: int) -> int:
@@ -89,8 +30,8 @@ def global_batch_size(per_replica_batch_size: int, num_replicas: int) -> int:
     kmk.global_batch_size(64, 2)  # -> 128
     ```
     """
-    per_replica = validate_positive_int("per_replica_batch_size", per_replica_batch_size)
-    replicas = validate_positive_int("num_replicas", num_replicas)
+    per_replica = positive_int("per_replica_batch_size", per_replica_batch_size)
+    replicas = positive_int("num_replicas", num_replicas)
     return per_replica * replicas
 
 
@@ -116,8 +57,8 @@ def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
     kmk.per_replica_batch_size(128, 2)  # -> 64
     ```
     """
-    total = validate_positive_int("global_batch_size", global_batch_size)
-    replicas = validate_positive_int("num_replicas", num_replicas)
+    total = positive_int("global_batch_size", global_batch_size)
+    replicas = positive_int("num_replicas", num_replicas)
     if total % replicas:
         lower = max(replicas, total - total % replicas)
         raise ValueError(

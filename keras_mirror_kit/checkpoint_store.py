@@ -33,14 +33,15 @@ import re
 import warnings
 import weakref
 import zipfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from keras_mirror_kit.batching import validate_positive_int
+from keras_mirror_kit.atomic_files import atomic_write
+from keras_mirror_kit.validation import positive_int
 
 __all__ = [
     "CheckpointArrays",
@@ -183,78 +184,6 @@ class LoadedCheckpoint:
         if shapes is not None:
             return dict(shapes)
         return {key: tuple(np.shape(value)) for key, value in self.arrays.items()}
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Writes a file atomically: `write` fills a temporary file, then fsync, replace, fsync.
-
-    Args:
-        path: Destination file.
-        write: Called with the open temporary file (binary, write-only); it writes the
-            content, in as many pieces as it likes.
-
-    Returns:
-        None.
-
-    Raises:
-        OSError: If any step fails; the temporary file is removed and `path` is untouched.
-            Whatever `write` raises propagates the same way.
-
-    Example:
-
-    ```python
-    atomic_write(Path("dir/notes.txt"), lambda handle: handle.write(b"hello"))
-    ```
-    """
-    tmp = path.with_name(f".{path.name}.{os.urandom(4).hex()}.tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Writes `data` to `path` atomically (temp file, fsync, replace, fsync directory).
-
-    Args:
-        path: Destination file.
-        data: Bytes to write.
-
-    Returns:
-        None.
-
-    Raises:
-        OSError: If any step fails; the temporary file is removed and `path` is untouched.
-
-    Example:
-
-    ```python
-    atomic_write_bytes(Path("dir/manifest.json"), b"{}")
-    ```
-    """
-    atomic_write(path, lambda handle: handle.write(data))
 
 
 class _HashingWriter:
@@ -415,7 +344,7 @@ class CheckpointStore:
     ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int):
             raise ValueError(f"`keep` must be a positive integer. Received: keep={keep!r}")
-        validate_positive_int("keep", keep)
+        positive_int("keep", keep)
         if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
             raise ValueError(
                 "`keep_best` must be a non-negative integer (0: keep no best checkpoints "
@@ -620,9 +549,8 @@ class CheckpointStore:
                 "latest": name,
                 "checkpoints": [{k: v for k, v in e.items() if k != "index"} for e in kept],
             }
-            atomic_write_bytes(
-                self.directory / MANIFEST, json.dumps(manifest, indent=1).encode("utf-8")
-            )
+            data = json.dumps(manifest, indent=1).encode("utf-8")
+            atomic_write(self.directory / MANIFEST, lambda handle: handle.write(data))
         except OSError as err:
             latest = entries[-1]["file"] if entries else None
             raise CheckpointWriteError(

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror_kit.batching import validate_non_negative_int, validate_positive_int
+from keras_mirror_kit.validation import non_negative_int, positive_int
 
 __all__ = [
     "PREPROCESS_ON",
@@ -127,7 +127,7 @@ class DatasetCursor:
         cursor.set_seed(1234)
         ```
         """
-        validate_non_negative_int("seed", seed)
+        non_negative_int("seed", seed)
         self._table.insert(tf.constant([_SEED], tf.int64), tf.constant([int(seed)], tf.int64))
 
     def set(self, epoch: int, skip_batches: int = 0) -> None:
@@ -393,7 +393,7 @@ def _multi_worker_expected() -> bool:
         tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy
     ):
         return True
-    from keras_mirror_kit.multi_worker import tf_config_num_workers
+    from keras_mirror_kit.multi_worker.cluster import tf_config_num_workers
 
     return tf_config_num_workers() > 1
 
@@ -447,7 +447,8 @@ def make_dataset(
 
     Returns:
         A `tf.data.Dataset` of `(x_batch, y_batch)` (or `x_batch`) with known cardinality,
-        auto-shard policy DATA, tf.data autotuning off (see `keras_mirror_kit.keras_fit_stall`),
+        auto-shard policy DATA, tf.data autotuning off (see
+        `keras_mirror_kit.workarounds.tf_data_iterator_stall`),
         a `DatasetCursor` (see `cursor_of`) and, when `preprocess` runs on the replicas for
         kit-built models, a `ReplicaVariant` (see `preprocess_placement`). Iterated, it
         always yields the preprocessed batches.
@@ -473,7 +474,7 @@ def make_dataset(
             "make_dataset() needs `batch_size` (the global batch size, e.g. "
             "`dist.global_batch_size`). Received: batch_size=None"
         )
-    batch_size = validate_positive_int("batch_size", batch_size)
+    batch_size = positive_int("batch_size", batch_size)
     if preprocess is not None and not callable(preprocess):
         raise TypeError(f"`preprocess` must be callable. Received: preprocess={preprocess!r}")
     if preprocess_on not in PREPROCESS_ON:
@@ -489,7 +490,7 @@ def make_dataset(
             "preprocess_on='replica'"
         )
     if seed is not None:
-        seed = validate_non_negative_int("seed", seed)
+        seed = non_negative_int("seed", seed)
     elif shuffle and _multi_worker_expected():
         raise ValueError(
             "make_dataset() needs a `seed` in a multi-worker run: every worker must shuffle "
@@ -497,9 +498,7 @@ def make_dataset(
             "global batch overlap. Pass the same seed on every worker. Received: seed=None"
         )
     replicas = (
-        _default_replicas()
-        if num_replicas is None
-        else validate_positive_int("num_replicas", num_replicas)
+        _default_replicas() if num_replicas is None else positive_int("num_replicas", num_replicas)
     )
     drop = shuffle if drop_remainder is None else bool(drop_remainder)
 
@@ -577,7 +576,8 @@ def make_dataset(
         )
         # No autotuning model thread: destroying an iterator whose model thread is asleep
         # can block for up to 60 s (a TensorFlow lost wake-up; see
-        # keras_mirror_kit.keras_fit_stall), and Keras destroys one at every epoch end. The
+        # keras_mirror_kit.workarounds.tf_data_iterator_stall), and Keras destroys one at
+        # every epoch end. The
         # map and prefetch keep AUTOTUNE, which then means TensorFlow's fixed defaults (as
         # fast here: gather and cast are cheap).
         options.autotune.enabled = False

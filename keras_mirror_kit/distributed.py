@@ -25,9 +25,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit import keras_fit_stall
 from keras_mirror_kit.batching import per_replica_batch_size as split_global_batch
-from keras_mirror_kit.batching import validate_positive_int
 from keras_mirror_kit.devices import (
     configure_from_environment,
     mirrored_strategy,
@@ -44,6 +42,8 @@ from keras_mirror_kit.model_setup import (
     prepare_model,
 )
 from keras_mirror_kit.precision import policy_scope, validate_policy
+from keras_mirror_kit.validation import check_bool, positive_int
+from keras_mirror_kit.workarounds import tf_data_iterator_stall
 
 __all__ = ["DistributedFactory", "check_model", "distributed"]
 
@@ -99,14 +99,15 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             policy for the layers built in the factory or block (the global policy is
             restored afterwards); output layers stay float32; float16 gets loss scaling,
             whose skip-the-step decision every replica takes together
-            (`keras_mirror_kit.keras_loss_scale`).
+            (`keras_mirror_kit.workarounds.keras_loss_scale`).
         steps_per_execution: Steps per compiled call: an integer, or `"auto"` (8); None
             leaves what `compile()` got.
         gradient_accumulation_steps: Micro-batches per optimizer update (default 1: an
             update at every step). With N > 1 the model's optimizer (the inner optimizer of
             a `LossScaleOptimizer`) accumulates the gradients of N steps and applies their
             mean, with Keras' own `gradient_accumulation_steps` mechanism, made to work under
-            the strategy (`keras_mirror_kit.keras_grad_accumulation`). The batch given to
+            the strategy (`keras_mirror_kit.workarounds.keras_grad_accumulation`). The batch
+            given to
             `fit` stays `global_batch_size`; each update sees `effective_batch_size` =
             per-replica batch x replicas x N samples, which `scale_learning_rate` uses.
         lr_scaling_rule: Default rule of `Distribution.scale_learning_rate`.
@@ -167,9 +168,9 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
                 f"global_batch_size={global_batch_size}"
             )
         if per_replica_batch_size is not None:
-            validate_positive_int("per_replica_batch_size", per_replica_batch_size)
+            positive_int("per_replica_batch_size", per_replica_batch_size)
         if global_batch_size is not None:
-            validate_positive_int("global_batch_size", global_batch_size)
+            positive_int("global_batch_size", global_batch_size)
         if not isinstance(strategy, tf.distribute.Strategy) and strategy not in STRATEGIES:
             raise ValueError(
                 f"Unknown `strategy`. Expected one of {', '.join(map(repr, STRATEGIES))} or a "
@@ -185,11 +186,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
                 "`devices` must be a list of device names such as ['/gpu:0', '/gpu:1']. "
                 f"Received: devices={devices!r}"
             )
-        if not isinstance(sync_batch_norm, bool):
-            raise TypeError(
-                f"`sync_batch_norm` must be True or False. Received: sync_batch_norm="
-                f"{sync_batch_norm!r}"
-            )
+        check_bool("sync_batch_norm", sync_batch_norm)
         if steps_per_execution == "auto":
             steps_per_execution = AUTO_STEPS_PER_EXECUTION
         elif steps_per_execution is not None:
@@ -198,8 +195,8 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
                     "`steps_per_execution` must be a positive integer, 'auto' or None. "
                     f"Received: steps_per_execution={steps_per_execution!r}"
                 )
-            validate_positive_int("steps_per_execution", steps_per_execution)
-        validate_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+            positive_int("steps_per_execution", steps_per_execution)
+        positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
         self._accumulation = int(gradient_accumulation_steps)
         self._options = ModelOptions(
             mixed_precision=validate_policy(mixed_precision),
@@ -231,7 +228,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             strategy = self._strategy_arg
             ops_name = type(getattr(strategy.extended, "_cross_device_ops", None)).__name__
         elif self._wants_multi_worker():
-            from keras_mirror_kit import multi_worker
+            from keras_mirror_kit.multi_worker import cluster
 
             if self._devices is not None:  # MultiWorkerMirroredStrategy takes no device list
                 raise ValueError(
@@ -241,7 +238,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
                     "K` sets it per worker), or drop TF_CONFIG/strategy='multi_worker' for "
                     f"one process. Received: devices={self._devices!r}"
                 )
-            strategy, ops_name = multi_worker.create_strategy(
+            strategy, ops_name = cluster.create_strategy(
                 cluster_resolver=self._cluster_resolver,
                 cross_device_ops=self._cross_device_ops,
             )
@@ -269,9 +266,9 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             return True
         if self._strategy_arg != "auto":
             return False
-        from keras_mirror_kit import multi_worker
+        from keras_mirror_kit.multi_worker import cluster
 
-        return multi_worker.tf_config_num_workers() > 1
+        return cluster.tf_config_num_workers() > 1
 
     def __call__(self, factory: Callable[P, R]) -> DistributedFactory[P, R]:
         if not callable(factory):
@@ -286,7 +283,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         with ExitStack() as stack:  # a context that fails to enter closes those before it
             stack.enter_context(activate(dist))
             stack.enter_context(policy_scope(self._options.mixed_precision))
-            stack.enter_context(keras_fit_stall.per_device_autotune_disabled())
+            stack.enter_context(tf_data_iterator_stall.per_device_autotune_disabled())
             stack.enter_context(compiled_models_prepared(dist, self._options))
             self._open_blocks().append(stack.pop_all())
         return dist

@@ -19,8 +19,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_mirror_kit.batching import validate_positive_int
 from keras_mirror_kit.lr_scaling import DEFAULT_RULE, scale_learning_rate, validate_rule
+from keras_mirror_kit.validation import positive_int
 
 __all__ = ["Distribution", "current", "distribution_of", "is_chief", "known_replica_counts"]
 
@@ -65,8 +65,8 @@ class Distribution:
         lr_scaling_rule: str = DEFAULT_RULE,
         gradient_accumulation_steps: int = 1,
     ) -> None:
-        validate_positive_int("per_replica_batch_size", per_replica_batch_size)
-        self._accumulation = validate_positive_int(
+        positive_int("per_replica_batch_size", per_replica_batch_size)
+        self._accumulation = positive_int(
             "gradient_accumulation_steps", gradient_accumulation_steps
         )
         self._strategy = strategy

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -45,6 +44,8 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+
+from keras_mirror_kit.validation import positive_number
 
 __all__ = [
     "FlopCount",
@@ -126,21 +127,9 @@ def validate_flops_per_sample(value: object) -> float | None:
     validate_flops_per_sample(6.0e6)   # -> 6000000.0
     ```
     """
-    return _positive_number("flops_per_sample", value, "FLOPs of one training sample")
-
-
-def _positive_number(name: str, value: object, meaning: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"`{name}` must be a positive number ({meaning}). Received: {name}={value!r} "
-            f"(of type {type(value).__name__})"
-        )
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive, finite number. Received: {name}={value}")
-    return value
+    return positive_number("flops_per_sample", value, "FLOPs of one training sample")
 
 
 def model_compute_dtype(model: keras.Model) -> str:

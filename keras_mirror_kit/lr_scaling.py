@@ -8,9 +8,8 @@ commonly used for Adam-type optimizers. `none` leaves the learning rate as it is
 from __future__ import annotations
 
 import math
-import numbers
 
-from keras_mirror_kit.batching import validate_positive_int
+from keras_mirror_kit.validation import positive_int, positive_number
 
 __all__ = ["RULES", "DEFAULT_RULE", "scale_learning_rate", "scale_factor", "validate_rule"]
 
@@ -65,8 +64,8 @@ def scale_factor(base_batch_size: int, global_batch_size: int, rule: str = DEFAU
     scale_factor(64, 256, "sqrt")  # -> 2.0
     ```
     """
-    base = validate_positive_int("base_batch_size", base_batch_size)
-    total = validate_positive_int("global_batch_size", global_batch_size)
+    base = positive_int("base_batch_size", base_batch_size)
+    total = positive_int("global_batch_size", global_batch_size)
     rule = validate_rule(rule)
     k = total / base
     if rule == "linear":
@@ -104,14 +103,5 @@ def scale_learning_rate(
     kmk.scale_learning_rate(1e-3, 64, 256, rule="sqrt")   # -> 0.002
     ```
     """
-    if isinstance(base_learning_rate, bool) or not isinstance(base_learning_rate, numbers.Real):
-        raise TypeError(
-            "`base_learning_rate` must be a positive number. "
-            f"Received: base_learning_rate={base_learning_rate!r}"
-        )
-    if not math.isfinite(base_learning_rate) or base_learning_rate <= 0:
-        raise ValueError(
-            "`base_learning_rate` must be a positive, finite number. "
-            f"Received: base_learning_rate={base_learning_rate}"
-        )
-    return float(base_learning_rate) * scale_factor(base_batch_size, global_batch_size, rule)
+    base_learning_rate = positive_number("base_learning_rate", base_learning_rate)
+    return base_learning_rate * scale_factor(base_batch_size, global_batch_size, rule)

@@ -10,11 +10,13 @@ A model returned by a decorated factory, or compiled inside `with kmk.distribute
   BatchNormalization, `steps_per_execution`;
 * given per-instance `fit`, `evaluate` and `predict` wrappers that, before any step, check
   the data (`keras_mirror_kit.fit_inputs`) and the step counts
-  (`keras_mirror_kit.keras_epoch_rounding`), batch in-memory arrays with the global batch
+  (`keras_mirror_kit.workarounds.keras_epoch_rounding`), batch in-memory arrays with the
+  global batch
   size when no `batch_size` is given (and tell `ThroughputMonitor` the batch really used,
   `batch_plan`), run the kit's log-producing callbacks first (so loggers listed before them
   still see their figures), run without per-device tf.data autotuning
-  (`keras_mirror_kit.keras_fit_stall`), and feed the replicas a `make_dataset` dataset in
+  (`keras_mirror_kit.workarounds.tf_data_iterator_stall`), and feed the replicas a
+  `make_dataset` dataset in
   its stored dtype when its `preprocess` runs on the replicas
   (`keras_mirror_kit.replica_preprocess`).
 
@@ -39,12 +41,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit import (
-    keras_fit_stall,
-    keras_grad_accumulation,
-    keras_loss_scale,
-    replica_preprocess,
-)
+from keras_mirror_kit import replica_preprocess
 from keras_mirror_kit.batch_norm import synchronize_batch_norm
 from keras_mirror_kit.distribution import (
     Distribution,
@@ -54,9 +51,14 @@ from keras_mirror_kit.distribution import (
     register_model,
 )
 from keras_mirror_kit.fit_inputs import BatchPlan, check_input, is_array_data, plan_batches
-from keras_mirror_kit.keras_epoch_rounding import check_step_arguments
 from keras_mirror_kit.precision import keep_outputs_float32
 from keras_mirror_kit.schedules import check_accumulation
+from keras_mirror_kit.workarounds import (
+    keras_grad_accumulation,
+    keras_loss_scale,
+    tf_data_iterator_stall,
+)
+from keras_mirror_kit.workarounds.keras_epoch_rounding import check_step_arguments
 
 __all__ = [
     "ModelOptions",
@@ -271,7 +273,8 @@ def prepare_model(
             `steps_per_execution` or an optimizer with another `gradient_accumulation_steps`
             than `distributed()` asks for, or uses float16 loss
             scaling on several replicas with a Keras version whose `LossScaleOptimizer`
-            the kit cannot make agree across replicas (`keras_mirror_kit.keras_loss_scale`).
+            the kit cannot make agree across replicas
+            (`keras_mirror_kit.workarounds.keras_loss_scale`).
 
     Example:
 
@@ -294,7 +297,7 @@ def prepare_model(
     if is_prepared(model):
         return
     _wrap_methods(model, dist)
-    keras_fit_stall.apply(model)  # no tf.data autotuning thread: see keras_fit_stall
+    tf_data_iterator_stall.apply(model)  # no tf.data autotuning thread: see tf_data_iterator_stall
     object.__setattr__(model, _PREPARED, True)
 
 

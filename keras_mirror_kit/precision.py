@@ -7,7 +7,7 @@ The model's output layers are kept in float32, where a softmax or a loss needs t
 and for `mixed_float16` Keras' `compile()` wraps the optimizer in a `LossScaleOptimizer`
 (dynamic loss scaling), as it does for any model built under that policy. On more than one
 replica, Keras 3.15's `LossScaleOptimizer` trusts the first replica alone to say whether a
-step overflowed; `keras_mirror_kit.keras_loss_scale` makes every replica agree for the
+step overflowed; `keras_mirror_kit.workarounds.keras_loss_scale` makes every replica agree for the
 models the kit builds (or refuses float16 there on a Keras it was not tested on).
 """
 

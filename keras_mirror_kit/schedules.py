@@ -21,8 +21,8 @@ from typing import Any
 import keras
 from keras.optimizers.schedules import LearningRateSchedule
 
-from keras_mirror_kit.batching import validate_positive_int
 from keras_mirror_kit.distribution import current
+from keras_mirror_kit.validation import positive_int
 
 __all__ = ["WarmupSchedule", "check_accumulation"]
 
@@ -92,11 +92,11 @@ class WarmupSchedule(LearningRateSchedule):
         super().__init__()
         if gradient_accumulation_steps is None:
             gradient_accumulation_steps = _active_accumulation()
-        self.gradient_accumulation_steps = validate_positive_int(
+        self.gradient_accumulation_steps = positive_int(
             "gradient_accumulation_steps", gradient_accumulation_steps
         )
         self.target_learning_rate = _positive_float("target_learning_rate", target_learning_rate)
-        self.warmup_steps = validate_positive_int("warmup_steps", warmup_steps)
+        self.warmup_steps = positive_int("warmup_steps", warmup_steps)
         if scale_factor is not None:
             scale_factor = _positive_float("scale_factor", scale_factor)
         self.scale_factor = scale_factor

@@ -31,13 +31,11 @@ utilisation: `flops_per_sec / peak`, 1.0 being the hardware's peak).
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from keras_mirror_kit.batching import validate_non_negative_int, validate_positive_int
+from keras_mirror_kit.validation import non_negative_int, positive_int, positive_number
 
 __all__ = ["FIGURE_KEYS", "FLOP_KEYS", "ThroughputMeter", "validate_baseline"]
 
@@ -88,19 +86,9 @@ def validate_baseline(value: object) -> float | None:
     """
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            "`baseline_samples_per_sec` must be a positive number (the samples/s of the "
-            f"same training on 1 replica). Received: baseline_samples_per_sec={value!r} "
-            f"(of type {type(value).__name__})"
-        )
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            "`baseline_samples_per_sec` must be a positive, finite number. "
-            f"Received: baseline_samples_per_sec={value}"
-        )
-    return value
+    return positive_number(
+        "baseline_samples_per_sec", value, "the samples/s of the same training on 1 replica"
+    )
 
 
 class ThroughputMeter:
@@ -171,10 +159,10 @@ class ThroughputMeter:
         flops_per_sample: float | None = None,
         peak_flops: float | None = None,
     ) -> None:
-        self._global_batch_size = validate_positive_int("global_batch_size", global_batch_size)
-        self._num_replicas = validate_positive_int("num_replicas", num_replicas)
-        self._num_workers = validate_positive_int("num_workers", num_workers)
-        self._warmup_steps = validate_non_negative_int("warmup_steps", warmup_steps)
+        self._global_batch_size = positive_int("global_batch_size", global_batch_size)
+        self._num_replicas = positive_int("num_replicas", num_replicas)
+        self._num_workers = positive_int("num_workers", num_workers)
+        self._warmup_steps = non_negative_int("warmup_steps", warmup_steps)
         self._baseline = validate_baseline(baseline_samples_per_sec)
         if not callable(clock):
             raise TypeError(f"`clock` must be callable. Received: clock={clock!r}")
@@ -246,8 +234,8 @@ class ThroughputMeter:
         meter.set_flops(6.0e6, peak_flops=2 * 312e12)   # 2 A100s in bfloat16
         ```
         """
-        self._flops_per_sample = _positive("flops_per_sample", flops_per_sample)
-        self._peak_flops = _positive("peak_flops", peak_flops)
+        self._flops_per_sample = _optional_positive("flops_per_sample", flops_per_sample)
+        self._peak_flops = _optional_positive("peak_flops", peak_flops)
 
     @property
     def in_warmup(self) -> bool:
@@ -386,11 +374,11 @@ class ThroughputMeter:
         meter.step(n_steps=4)  # one execution of steps_per_execution=4
         ```
         """
-        n_steps = validate_positive_int("n_steps", n_steps)
+        n_steps = positive_int("n_steps", n_steps)
         full = n_steps * self._global_batch_size
         if samples is None:
             samples = full
-        elif validate_positive_int("samples", samples) > full:
+        elif positive_int("samples", samples) > full:
             raise ValueError(
                 f"ThroughputMeter.step(): {n_steps} step(s) of at most "
                 f"{self._global_batch_size} samples cannot process more than {full}. "
@@ -571,15 +559,5 @@ class ThroughputMeter:
         return figures
 
 
-def _positive(name: str, value: object) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"`{name}` must be a positive number or None. Received: {name}={value!r} "
-            f"(of type {type(value).__name__})"
-        )
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive, finite number. Received: {name}={value}")
-    return value
+def _optional_positive(name: str, value: object) -> float | None:
+    return None if value is None else positive_number(name, value)

@@ -111,10 +111,10 @@ def main() -> int:
     import numpy as np
 
     import keras_mirror_kit as kmk
-    from keras_mirror_kit import keras_workarounds
     from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
     from keras_mirror_kit.callbacks.synced_checkpoint.preemption import Preempted
     from keras_mirror_kit.datasets import make_synthetic_cifar10
+    from keras_mirror_kit.workarounds import keras_multi_worker_fit
 
     @kmk.distributed(global_batch_size=GLOBAL_BATCH)
     def build():
@@ -145,13 +145,13 @@ def main() -> int:
         strategy=dist.strategy_name,
         cross_device_ops=dist.cross_device_ops,
         global_batch_size=dist.global_batch_size,
-        workaround_status=keras_workarounds.status(),
+        workaround_status=keras_multi_worker_fit.status(),
     )
 
     if args.probe_upstream:
         # Keras unpatched: expect the upstream failure (a fixed Keras would train here).
-        os.environ[keras_workarounds.ENV_VAR] = "off"
-        keras_workarounds._uninstall()
+        os.environ[keras_multi_worker_fit.ENV_VAR] = "off"
+        keras_multi_worker_fit._uninstall()
         probe = build()
         ds = kmk.make_dataset(x[:128], y[:128], GLOBAL_BATCH, seed=ORDER_SEED)
         try:
@@ -159,8 +159,8 @@ def main() -> int:
             result["upstream_error"] = None
         except Exception as err:  # noqa: BLE001
             result["upstream_error"] = f"{type(err).__name__}: {str(err)[:300]}"
-        os.environ[keras_workarounds.ENV_VAR] = "auto"
-        result["reapplied"] = keras_workarounds.apply(dist.strategy)
+        os.environ[keras_multi_worker_fit.ENV_VAR] = "auto"
+        result["reapplied"] = keras_multi_worker_fit.apply(dist.strategy)
 
     model = build()
     weights: dict[str, np.ndarray] = {f"init_{i}": w for i, w in enumerate(model.get_weights())}

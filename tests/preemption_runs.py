@@ -158,10 +158,10 @@ def mw_reference(out: Path) -> list[np.ndarray]:
 
 
 def launch(out: Path, child_args: list[str], *launcher_args: str) -> subprocess.Popen[str]:
-    """Starts `python -m keras_mirror_kit.launch -n 2 ... -m tests.mw_child ...`."""
+    """Starts `python -m keras_mirror_kit.multi_worker.launch -n 2 ... -m tests.mw_child ...`."""
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "keras_mirror_kit.launch", "-n", "2", "--grace", "30",
-               "--finish-window", "120", *launcher_args, "-m", "tests.mw_child",
+    command = [sys.executable, "-m", "keras_mirror_kit.multi_worker.launch", "-n", "2",
+               "--grace", "30", "--finish-window", "120", *launcher_args, "-m", "tests.mw_child",
                *child_args]  # fmt: skip
     proc = subprocess.Popen(
         command,

@@ -32,7 +32,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit import launch
+from keras_mirror_kit.multi_worker import launch
 from tests import models
 from tests.subproc import REPO, last_json, run_python
 

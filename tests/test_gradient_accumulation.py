@@ -21,12 +21,12 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit import keras_grad_accumulation
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
 from keras_mirror_kit.callbacks.synced_checkpoint.replicas import check_replicas
 from keras_mirror_kit.callbacks.synced_checkpoint.state import state_variables
 from keras_mirror_kit.callbacks.throughput_monitor import ThroughputMonitor
 from keras_mirror_kit.schedules import WarmupSchedule
+from keras_mirror_kit.workarounds import keras_grad_accumulation
 from tests.ckpt_helpers import StopAt, dataset, max_diff
 from tests.subproc import REPO
 
@@ -90,7 +90,7 @@ def test_float16_loss_scaling_with_accumulation_follows_the_large_batch():
 
 def test_plain_keras_accumulation_still_fails_under_mirrored_strategy():
     """keras-team/keras#20582 with plain Keras (no kit). If this fails, Keras fixed it:
-    limit keras_mirror_kit.keras_grad_accumulation to the affected versions."""
+    limit keras_mirror_kit.workarounds.keras_grad_accumulation to the affected versions."""
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])

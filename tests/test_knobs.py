@@ -179,7 +179,7 @@ def test_steps_per_execution_is_picked_up_by_the_factorys_compile(tmp_path):
 
 def test_keras_still_rounds_epochs_up():
     """The Keras 3.15 bug the guard exists for (plain Keras, no kit). If this fails, Keras
-    fixed it: limit keras_mirror_kit.keras_epoch_rounding to the affected versions."""
+    fixed it: limit keras_mirror_kit.workarounds.keras_epoch_rounding to the affected versions."""
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse", steps_per_execution=4)
     data = tf.data.Dataset.from_tensor_slices((np.ones((40, 3)), np.ones((40, 1)))).batch(2)

@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from keras_mirror_kit import launch
+from keras_mirror_kit.multi_worker import launch
 from tests.processes import alive, assert_none_left, kill
 
 REPO = Path(__file__).resolve().parent.parent

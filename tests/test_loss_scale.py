@@ -1,9 +1,9 @@
 """float16 loss scaling on 2 replicas: an overflow on any replica skips the step (issue 17.1).
 
 Keras' `LossScaleOptimizer` decides from replica 0's local gradients whether a step
-overflowed (`keras_mirror_kit.keras_loss_scale`). The input row that overflows float16 goes
-to one replica only: a global batch of 2 on 2 replicas gives row 0 to replica 0 and row 1
-to replica 1.
+overflowed (`keras_mirror_kit.workarounds.keras_loss_scale`). The input row that overflows
+float16 goes to one replica only: a global batch of 2 on 2 replicas gives row 0 to replica 0
+and row 1 to replica 1.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit import keras_loss_scale
+from keras_mirror_kit.workarounds import keras_loss_scale
 
 REPO = Path(__file__).resolve().parent.parent
 INITIAL_SCALE = 2.0**15
@@ -171,7 +171,7 @@ WORKER = """
 import json, os, sys
 import numpy as np, tensorflow as tf, keras
 import keras_mirror_kit as kmk
-from keras_mirror_kit import keras_loss_scale
+from keras_mirror_kit.workarounds import keras_loss_scale
 
 out, rank = sys.argv[1], json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 
@@ -206,7 +206,15 @@ def test_two_workers_agree_when_one_overflows(tmp_path):
         env.pop(name, None)
     env["KMK_COLLECTIVE_TIMEOUT"] = "120"  # a stalled collective fails instead of hanging
     proc = subprocess.run(
-        [sys.executable, "-m", "keras_mirror_kit.launch", "-n", "2", str(script), str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "keras_mirror_kit.multi_worker.launch",
+            "-n",
+            "2",
+            str(script),
+            str(tmp_path),
+        ],  # fmt: skip
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -25,8 +25,9 @@ import tensorflow as tf
 from tensorflow.python.distribute import multi_worker_util
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit import keras_workarounds, launch, multi_worker
-from keras_mirror_kit.multi_worker import parse_tf_config
+from keras_mirror_kit.multi_worker import cluster, launch
+from keras_mirror_kit.multi_worker.cluster import parse_tf_config
+from keras_mirror_kit.workarounds import keras_multi_worker_fit
 from tests.processes import alive, assert_none_left, kill
 from tests.subproc import last_json, run_python
 
@@ -45,15 +46,12 @@ def _cfg(cluster: object, task: object = None, **extra: object) -> str:
     return json.dumps(config)
 
 
-
 def _recorded_pids(out: Path) -> list[int]:
     pids: list[int] = []
     for path in sorted(out.glob("pids-*.json")):
         info = json.loads(path.read_text())
         pids += [info["pid"]] + ([info["grandchild_pid"]] if "grandchild_pid" in info else [])
     return pids
-
-
 
 
 def _child_env(**extra: str) -> dict[str, str]:
@@ -67,12 +65,12 @@ def _child_env(**extra: str) -> dict[str, str]:
 def _launch(
     out: Path, *child_args: str, launcher_args: tuple[str, ...] = (), timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
-    """Runs `python -m keras_mirror_kit.launch -n 2 ... -m tests.mw_child OUT args`.
+    """Runs `python -m keras_mirror_kit.multi_worker.launch -n 2 ... -m tests.mw_child OUT args`.
 
     `timeout` only bounds a launch that never ends; no test depends on how long it takes.
     The chief's work after training (W&B, results) may take long on a loaded machine: the
     other worker's earlier exit is not taken for an early one unless it is 120 s earlier."""
-    command = [sys.executable, "-m", "keras_mirror_kit.launch", "-n", "2"]
+    command = [sys.executable, "-m", "keras_mirror_kit.multi_worker.launch", "-n", "2"]
     command += ["--finish-window", "120", *launcher_args]  # the last one given counts
     command += ["-m", CHILD, str(out), *child_args]
     proc = subprocess.Popen(
@@ -164,14 +162,14 @@ def test_invalid_tf_config_is_a_clear_error(raw, expected):
 
 def test_tf_config_from_the_environment(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
-    assert parse_tf_config() is None and multi_worker.tf_config_num_workers() == 0
+    assert parse_tf_config() is None and cluster.tf_config_num_workers() == 0
     monkeypatch.setenv("TF_CONFIG", "  ")
-    assert multi_worker.tf_config_num_workers() == 0
+    assert cluster.tf_config_num_workers() == 0
     monkeypatch.setenv("TF_CONFIG", _cfg(WORKERS2, {"type": "worker", "index": 1}))
-    assert multi_worker.tf_config_num_workers() == 2
+    assert cluster.tf_config_num_workers() == 2
     monkeypatch.setenv("TF_CONFIG", '{"cluster": ')
     with pytest.raises(ValueError, match="not valid JSON"):
-        multi_worker.tf_config_num_workers()
+        cluster.tf_config_num_workers()
 
 
 @pytest.mark.parametrize(
@@ -192,7 +190,7 @@ def test_chief_in_every_cluster_shape_agrees_with_tensorflow(
 ):
     config = parse_tf_config(_cfg(cluster, {"type": task_type, "index": index}))
     assert config is not None
-    assert (config.num_workers, config.is_chief, config.rank) == (workers, chief, rank)
+    assert (config.num_workers, config.rank == 0, config.rank) == (workers, chief, rank)
     # MultiWorkerMirroredStrategy's `should_checkpoint` is this TensorFlow function.
     assert multi_worker_util.is_chief(config.cluster, task_type, index) is chief
 
@@ -200,7 +198,7 @@ def test_chief_in_every_cluster_shape_agrees_with_tensorflow(
 def test_single_task_needs_no_task_entry():
     config = parse_tf_config(_cfg({"worker": ["a:1"]}))
     assert config is not None and config.num_workers == 1 and config.task_type is None
-    assert not config.is_chief and config.rank is None and config.address is None
+    assert config.rank is None and config.address is None
 
 
 def test_distributed_rejects_a_bad_tf_config_before_creating_anything(monkeypatch):
@@ -250,7 +248,7 @@ def test_one_worker_tf_config_keeps_mirrored_strategy(monkeypatch):
 def test_create_strategy_argument_errors(monkeypatch, kwargs, error, expected):
     monkeypatch.setenv("TF_CONFIG", _cfg(WORKERS2, {"type": "worker", "index": 0}))
     with pytest.raises(error, match=expected):
-        multi_worker.create_strategy(**kwargs)
+        cluster.create_strategy(**kwargs)
 
 
 def test_a_cluster_resolver_view_is_validated_like_tf_config():
@@ -259,20 +257,20 @@ def test_a_cluster_resolver_view_is_validated_like_tf_config():
         spec, task_type="worker", task_id=5
     )
     with pytest.raises(ValueError, match="cluster resolver's view is invalid: task index 5"):
-        multi_worker.create_strategy(cluster_resolver=resolver)
+        cluster.create_strategy(cluster_resolver=resolver)
 
 
 def test_bad_collective_timeout_variable(monkeypatch):
     monkeypatch.setenv("KMK_COLLECTIVE_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="KMK_COLLECTIVE_TIMEOUT"):
-        multi_worker.create_strategy()
+        cluster.create_strategy()
 
 
 def test_bad_workaround_variable_fails_before_connecting(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", _cfg(WORKERS2, {"type": "worker", "index": 0}))
-    monkeypatch.setenv(keras_workarounds.ENV_VAR, "maybe")
+    monkeypatch.setenv(keras_multi_worker_fit.ENV_VAR, "maybe")
     with pytest.raises(ValueError, match="KMK_KERAS_WORKAROUND"):
-        multi_worker.create_strategy()
+        cluster.create_strategy()
 
 
 def test_port_already_in_use_is_refused_instead_of_hanging(monkeypatch):
@@ -284,70 +282,70 @@ def test_port_already_in_use_is_refused_instead_of_hanging(monkeypatch):
         cluster = {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{other}"]}
         monkeypatch.setenv("TF_CONFIG", _cfg(cluster, {"type": "worker", "index": 0}))
         with pytest.raises(ValueError, match=f"port {port} is already in use"):
-            multi_worker.create_strategy()
+            cluster.create_strategy()
 
 
 # -- the Keras workaround, in this process (no multi-worker strategy here) -----------------
 
 
 def test_workaround_version_guard():
-    assert keras_workarounds.status("3.15.0") == "tested"
-    assert keras_workarounds.status("3.15.1") == "tested"
+    assert keras_multi_worker_fit.status("3.15.0") == "tested"
+    assert keras_multi_worker_fit.status("3.15.1") == "tested"
     # Keras' source here still has the failing calls, so a newer version is "untested".
-    assert keras_workarounds.status("3.99.0") == "untested"
-    assert keras_workarounds.status() == "tested", (
+    assert keras_multi_worker_fit.status("3.99.0") == "untested"
+    assert keras_multi_worker_fit.status() == "tested", (
         f"Keras {keras.__version__} is not the version the multi-worker workaround was "
         "tested on: run tests/test_multi_worker.py and update TESTED_KERAS"
     )
-    assert "keras-team/keras#20585" in keras_workarounds.__doc__
-    assert "tensorflow/tensorflow#72388" in keras_workarounds.__doc__
+    assert "keras-team/keras#20585" in keras_multi_worker_fit.__doc__
+    assert "tensorflow/tensorflow#72388" in keras_multi_worker_fit.__doc__
 
 
 def test_workaround_is_not_applied_without_a_multi_worker_strategy():
-    assert not keras_workarounds.is_multi_worker(tf.distribute.get_strategy())
-    assert not keras_workarounds.is_multi_worker(tf.distribute.MirroredStrategy(["/cpu:0"]))
-    assert not keras_workarounds.is_multi_worker(None)
-    assert keras_workarounds.apply(tf.distribute.get_strategy()) is False
-    assert not keras_workarounds.is_applied()
+    assert not keras_multi_worker_fit.is_multi_worker(tf.distribute.get_strategy())
+    assert not keras_multi_worker_fit.is_multi_worker(tf.distribute.MirroredStrategy(["/cpu:0"]))
+    assert not keras_multi_worker_fit.is_multi_worker(None)
+    assert keras_multi_worker_fit.apply(tf.distribute.get_strategy()) is False
+    assert not keras_multi_worker_fit.is_applied()
 
 
 def test_workaround_outside_tested_versions(monkeypatch):
     from keras.src.backend.tensorflow import trainer
 
     original_reduce = trainer.reduce_per_replica
-    monkeypatch.setattr(keras_workarounds, "is_multi_worker", lambda strategy: True)
-    monkeypatch.setattr(keras_workarounds.keras, "__version__", "3.99.0")
+    monkeypatch.setattr(keras_multi_worker_fit, "is_multi_worker", lambda strategy: True)
+    monkeypatch.setattr(keras_multi_worker_fit.keras, "__version__", "3.99.0")
     try:
         # Upstream fixed (the failing calls are gone): nothing is installed, no warning.
-        monkeypatch.setattr(keras_workarounds, "_bugs_present", lambda: False)
-        assert keras_workarounds.apply(object()) is False
-        assert not keras_workarounds.is_applied()
+        monkeypatch.setattr(keras_multi_worker_fit, "_bugs_present", lambda: False)
+        assert keras_multi_worker_fit.apply(object()) is False
+        assert not keras_multi_worker_fit.is_applied()
         # Still broken on an untested version: a clear warning, then the wrappers, once.
-        monkeypatch.setattr(keras_workarounds, "_bugs_present", lambda: True)
-        with pytest.warns(keras_workarounds.KerasWorkaroundWarning, match="3.99.0"):
-            assert keras_workarounds.apply(object()) is True
+        monkeypatch.setattr(keras_multi_worker_fit, "_bugs_present", lambda: True)
+        with pytest.warns(keras_multi_worker_fit.KerasWorkaroundWarning, match="3.99.0"):
+            assert keras_multi_worker_fit.apply(object()) is True
         installed = trainer.reduce_per_replica
-        assert installed is not original_reduce and keras_workarounds.is_applied()
-        assert keras_workarounds.apply(object()) is True  # idempotent: no second wrapper
+        assert installed is not original_reduce and keras_multi_worker_fit.is_applied()
+        assert keras_multi_worker_fit.apply(object()) is True  # idempotent: no second wrapper
         assert trainer.reduce_per_replica is installed
         # The wrapper hands every non-multi-worker strategy to Keras' own function.
-        monkeypatch.setattr(keras_workarounds, "is_multi_worker", lambda strategy: False)
+        monkeypatch.setattr(keras_multi_worker_fit, "is_multi_worker", lambda strategy: False)
         value = tf.constant(2.0)
         assert installed({"loss": value}, tf.distribute.get_strategy(), "auto")["loss"] is value
-        monkeypatch.setenv(keras_workarounds.ENV_VAR, "sometimes")
+        monkeypatch.setenv(keras_multi_worker_fit.ENV_VAR, "sometimes")
         with pytest.raises(ValueError, match="KMK_KERAS_WORKAROUND"):
-            keras_workarounds.apply(object())
+            keras_multi_worker_fit.apply(object())
     finally:
-        keras_workarounds._uninstall()
+        keras_multi_worker_fit._uninstall()
     assert trainer.reduce_per_replica is original_reduce
-    assert not keras_workarounds.is_applied()
+    assert not keras_multi_worker_fit.is_applied()
 
 
 def test_workaround_switched_off(monkeypatch):
-    monkeypatch.setenv(keras_workarounds.ENV_VAR, "off")
-    monkeypatch.setattr(keras_workarounds, "is_multi_worker", lambda strategy: True)
-    assert keras_workarounds.apply(object()) is False
-    assert not keras_workarounds.is_applied()
+    monkeypatch.setenv(keras_multi_worker_fit.ENV_VAR, "off")
+    monkeypatch.setattr(keras_multi_worker_fit, "is_multi_worker", lambda strategy: True)
+    assert keras_multi_worker_fit.apply(object()) is False
+    assert not keras_multi_worker_fit.is_applied()
 
 
 # -- launch: the launcher alone, with small non-TensorFlow scripts (in this process) -------
@@ -553,10 +551,6 @@ def test_launch_help_shows_the_script_and_the_command_forms(capsys, monkeypatch)
         cli.main(["--help"])
     text = capsys.readouterr().out
     assert "(launch -n 2 train.py)" in text and "(launch -n 2 -- python3 train.py)" in text
-
-
-def test_launcher_and_library_agree_on_the_ready_file_variable():
-    assert launch.READY_FILE_ENV == multi_worker.READY_FILE_ENV
 
 
 def test_free_ports_and_tf_config():
@@ -909,7 +903,7 @@ def test_chief_job_shape_and_keras_still_needs_the_workaround(tmp_path):
         assert result["upstream_error"] is not None, (
             f"Keras {keras.__version__} trained under MultiWorkerMirroredStrategy without "
             "the kit's workaround: the upstream fix (keras-team/keras#20585) has landed. "
-            "Check keras_workarounds.status() and narrow TESTED_KERAS."
+            "Check keras_multi_worker_fit.status() and narrow TESTED_KERAS."
         )
         assert result["upstream_error"].startswith(
             "ValueError: Attempt to convert a value (PerReplica"
@@ -941,10 +935,10 @@ def test_multi_worker_strategy_without_a_cluster_is_one_worker():
         """
         import json
         import keras_mirror_kit as kmk
-        from keras_mirror_kit import keras_workarounds
+        from keras_mirror_kit.workarounds import keras_multi_worker_fit
         dist = kmk.distributed(global_batch_size=8, strategy="multi_worker").distribution
         print("RESULT " + json.dumps([dist.num_workers, dist.num_replicas, dist.is_chief,
-                                      dist.cross_device_ops, keras_workarounds.is_applied()]))
+                                      dist.cross_device_ops, keras_multi_worker_fit.is_applied()]))
         """,
         timeout=120,
     )

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from keras_mirror_kit import multi_worker
 from keras_mirror_kit.callbacks.synced_checkpoint.preemption import PREEMPTED_EXIT_CODE
+from keras_mirror_kit.multi_worker import cluster
 from tests.processes import assert_none_left
 from tests.subproc import REPO
 
@@ -40,7 +40,7 @@ STEP = {
 
 @pytest.fixture()
 def slurm_step(monkeypatch):
-    for name in ("TF_CONFIG", "CUDA_VISIBLE_DEVICES", multi_worker.SLURM_PORT_BASE_ENV,
+    for name in ("TF_CONFIG", "CUDA_VISIBLE_DEVICES", cluster.SLURM_PORT_BASE_ENV,
                  "SLURM_STEP_RESV_PORTS"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     for name, value in STEP.items():
@@ -49,23 +49,23 @@ def slurm_step(monkeypatch):
 
 
 def test_a_process_is_a_slurm_task_only_inside_a_job_step():
-    assert multi_worker.slurm_num_tasks({}) == 0
-    assert multi_worker.slurm_num_tasks(STEP) == 4
+    assert cluster.slurm_num_tasks({}) == 0
+    assert cluster.slurm_num_tasks(STEP) == 4
     batch_script = {"SLURM_JOB_ID": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}
-    assert multi_worker.slurm_num_tasks(batch_script) == 0  # sbatch's shell, not srun
-    assert multi_worker.slurm_num_tasks({**STEP, "SLURM_STEP_NUM_TASKS": "x"}) == 0
+    assert cluster.slurm_num_tasks(batch_script) == 0  # sbatch's shell, not srun
+    assert cluster.slurm_num_tasks({**STEP, "SLURM_STEP_NUM_TASKS": "x"}) == 0
 
 
 def test_under_srun_tf_config_wins_and_else_slurm_counts(slurm_step):
-    assert multi_worker.tf_config_num_workers() == 4
+    assert cluster.tf_config_num_workers() == 4
     config = {"cluster": {"worker": ["a:1", "b:2"]}, "task": {"type": "worker", "index": 0}}
     slurm_step.setenv("TF_CONFIG", json.dumps(config))
-    assert multi_worker.tf_config_num_workers() == 2
+    assert cluster.tf_config_num_workers() == 2
 
 
 def test_each_task_keeps_the_gpus_slurm_gave_it(slurm_step):
     slurm_step.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # as Slurm sets it for the task
-    resolver = multi_worker.slurm_cluster_resolver()
+    resolver = cluster.slurm_cluster_resolver()
     assert isinstance(resolver, tf.distribute.cluster_resolver.SlurmClusterResolver)
     assert resolver.cluster_spec().as_dict() == {
         "worker": ["node1:29872", "node1:29873", "node2:29872", "node2:29873"]
@@ -81,7 +81,7 @@ def test_each_task_keeps_the_gpus_slurm_gave_it(slurm_step):
 
 def test_tasks_without_a_gpu(slurm_step):
     slurm_step.setenv("CUDA_VISIBLE_DEVICES", "-1")
-    resolver = multi_worker.slurm_cluster_resolver()
+    resolver = cluster.slurm_cluster_resolver()
     assert resolver.num_accelerators() == {"GPU": 0}
     assert len(resolver.cluster_spec().as_dict()["worker"]) == 4
     with pytest.raises(ValueError, match="must not be zero"):  # TensorFlow's, unpatched
@@ -96,7 +96,7 @@ def test_the_node_gpus_are_split_when_slurm_set_none(slurm_step, tmp_path):
     fake.write_text('#!/bin/sh\nfor i in 0 1 2 3; do echo "GPU $i: Fake (UUID: GPU-$i)"; done\n')
     fake.chmod(0o755)
     slurm_step.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
-    resolver = multi_worker.slurm_cluster_resolver()
+    resolver = cluster.slurm_cluster_resolver()
     resolver.cluster_spec()
     assert resolver.num_accelerators() == {"GPU": 2}
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"  # task 3 = the 2nd task of node2
@@ -104,19 +104,19 @@ def test_the_node_gpus_are_split_when_slurm_set_none(slurm_step, tmp_path):
 
 def test_ports_and_errors(slurm_step):
     slurm_step.setenv("SLURM_STEP_RESV_PORTS", "12000-12003")
-    assert multi_worker.slurm_cluster_resolver().cluster_spec().as_dict()["worker"][0] == (
+    assert cluster.slurm_cluster_resolver().cluster_spec().as_dict()["worker"][0] == (
         "node1:12000"
     )
-    slurm_step.setenv(multi_worker.SLURM_PORT_BASE_ENV, "31000")
-    assert multi_worker.slurm_cluster_resolver().cluster_spec().as_dict()["worker"][1] == (
+    slurm_step.setenv(cluster.SLURM_PORT_BASE_ENV, "31000")
+    assert cluster.slurm_cluster_resolver().cluster_spec().as_dict()["worker"][1] == (
         "node1:31001"
     )
-    slurm_step.setenv(multi_worker.SLURM_PORT_BASE_ENV, "port")
+    slurm_step.setenv(cluster.SLURM_PORT_BASE_ENV, "port")
     with pytest.raises(ValueError, match="KMK_SLURM_PORT_BASE must be a port number"):
-        multi_worker.slurm_cluster_resolver()
+        cluster.slurm_cluster_resolver()
     slurm_step.delenv("SLURM_STEP_NODELIST")
     with pytest.raises(ValueError, match="not a task of a Slurm job step .*SLURM_STEP_NODELIST"):
-        multi_worker.slurm_cluster_resolver()
+        cluster.slurm_cluster_resolver()
 
 
 # -- the documented job script, on 127.0.0.1 ---------------------------------------------------
@@ -212,7 +212,7 @@ def test_the_documented_sbatch_script_saves_on_slurms_signal_and_requeues(tmp_pa
     def run(out: Path, signal_task: int | None) -> subprocess.CompletedProcess[str]:
         out.mkdir()
         extra = {"TRAIN_OUT": str(out), "FAKE_SLURM_SIGNAL_SENT": str(out / "sent"),
-                 multi_worker.SLURM_PORT_BASE_ENV: str(_free_port_pair())}  # fmt: skip
+                 cluster.SLURM_PORT_BASE_ENV: str(_free_port_pair())}  # fmt: skip
         if signal_task is None:
             (out / "sent").write_text("no signal in this run")
         else:

@@ -13,8 +13,8 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit import keras_fit_stall
 from keras_mirror_kit.model_setup import is_prepared
+from keras_mirror_kit.workarounds import tf_data_iterator_stall
 from tests import models
 from tests.ckpt_helpers import CountBatches
 
@@ -30,7 +30,7 @@ def test_a_model_compiled_in_the_block_gets_the_decorators_guarantees():
         model.compile(optimizer="sgd", steps_per_execution=4,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     assert is_prepared(model) and kmk.distribution_of(model) is dist
-    assert keras_fit_stall.is_applied(model)
+    assert tf_data_iterator_stall.is_applied(model)
     assert model.layers[-1].compute_dtype == "float32"  # outputs kept in float32
     assert model.layers[0].compute_dtype == "bfloat16"
     data = kmk.make_dataset(X, Y, dist.global_batch_size, seed=0).repeat()

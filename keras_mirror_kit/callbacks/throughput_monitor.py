@@ -14,7 +14,6 @@ from typing import Any
 
 import keras
 
-from keras_mirror_kit.batching import validate_non_negative_int, validate_positive_int
 from keras_mirror_kit.callbacks.progress import steps_done
 from keras_mirror_kit.devices.peaks import resolve_peak, validate_peak_flops
 from keras_mirror_kit.distribution import is_chief
@@ -28,6 +27,7 @@ from keras_mirror_kit.throughput import (
     ThroughputMeter,
     validate_baseline,
 )
+from keras_mirror_kit.validation import non_negative_int, positive_int
 
 __all__ = ["ThroughputMonitor"]
 
@@ -162,12 +162,12 @@ class ThroughputMonitor(keras.callbacks.Callback):
     ) -> None:
         super().__init__()
         if global_batch_size is not None:
-            validate_positive_int("global_batch_size", global_batch_size)
+            positive_int("global_batch_size", global_batch_size)
         if num_replicas is not None:
-            validate_positive_int("num_replicas", num_replicas)
+            positive_int("num_replicas", num_replicas)
         if log_every_n_steps is not None:
-            validate_positive_int("log_every_n_steps", log_every_n_steps)
-        validate_non_negative_int("warmup_steps", warmup_steps)
+            positive_int("log_every_n_steps", log_every_n_steps)
+        non_negative_int("warmup_steps", warmup_steps)
         self._global_batch_size = global_batch_size
         self._num_replicas = num_replicas
         self._warmup_steps = warmup_steps

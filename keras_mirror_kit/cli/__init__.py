@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":
-        from keras_mirror_kit.launch import main as launch_main
+        from keras_mirror_kit.multi_worker.launch import main as launch_main
 
         return launch_main(argv[1:])
     parser = _parser()

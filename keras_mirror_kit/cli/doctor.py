@@ -201,10 +201,10 @@ def _import_frameworks(check: Any) -> tuple[Any, Any]:
 
 def _check_workaround_range(keras_version: str, check: Any) -> None:
     """Warns when Keras is outside the range the upstream-bug workarounds were tested on."""
-    from keras_mirror_kit import keras_workarounds
+    from keras_mirror_kit.workarounds import keras_multi_worker_fit, keras_version_in
 
-    low, high = keras_workarounds.TESTED_KERAS
-    if not keras_workarounds.keras_version_in(keras_workarounds.TESTED_KERAS, keras_version):
+    low, high = keras_multi_worker_fit.TESTED_KERAS
+    if not keras_version_in(keras_multi_worker_fit.TESTED_KERAS, keras_version):
         check(
             "workarounds",
             "warn",

@@ -53,7 +53,7 @@ def collect(
         nccl_available,
         warn_if_gpus_unused,
     )
-    from keras_mirror_kit.multi_worker import parse_tf_config, tf_config_num_workers
+    from keras_mirror_kit.multi_worker.cluster import parse_tf_config, tf_config_num_workers
 
     configure_from_environment()
     tf_config = parse_tf_config()  # validated: a bad TF_CONFIG is a clear error here too

@@ -21,16 +21,16 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
-import numbers
 import os
 import platform
 import re
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from keras_mirror_kit.atomic_files import atomic_write_bytes
+from keras_mirror_kit.validation import positive_int, positive_number
 
 __all__ = [
     "COMPUTE_DTYPES",
@@ -290,17 +290,7 @@ def validate_peak_flops(value: object) -> float | None:
     """
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            "`peak_flops` must be a positive number (the peak FLOP/s of one device). "
-            f"Received: peak_flops={value!r} (of type {type(value).__name__})"
-        )
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            f"`peak_flops` must be a positive, finite number. Received: peak_flops={value}"
-        )
-    return value
+    return positive_number("peak_flops", value, "the peak FLOP/s of one device")
 
 
 def _normalize(name: str) -> str:
@@ -533,14 +523,8 @@ def store_roof(
     key = cpu or cpu_name()
     data["cpus"][key] = {**(data["cpus"].get(key) or {}), **measured}
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".roof-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = json.dumps(data, indent=2, sort_keys=True).encode("utf-8")
+    atomic_write_bytes(path, text)
     return path
 
 
@@ -574,8 +558,7 @@ def measure_matmul_roof(
     """
     compute_dtype_key(dtype)  # validates
     for name, value in (("size", size), ("repeats", repeats), ("rounds", rounds)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+        positive_int(name, value)
     import tensorflow as tf
 
     with tf.device("/CPU:0"):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from keras_mirror_kit.batching import validate_positive_int
+from keras_mirror_kit.validation import positive_int
 
 __all__ = [
     "SIMULATE_REPLICAS_ENV",
@@ -61,7 +61,7 @@ def simulate_replicas(
     kmk.simulate_replicas(2)          # first thing in the script
     ```
     """
-    n = validate_positive_int("n", n)
+    n = positive_int("n", n)
     gpus = tf.config.list_physical_devices("GPU")
     if device_type is None:
         device_type = "GPU" if gpus else "CPU"

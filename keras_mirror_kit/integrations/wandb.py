@@ -30,10 +30,10 @@ except ImportError as err:  # pragma: no cover - exercised in a subprocess test
     ) from err
 
 from keras_mirror_kit._version import __version__
-from keras_mirror_kit.batching import validate_positive_int
 from keras_mirror_kit.callbacks.callback_list import find_callback_list
 from keras_mirror_kit.callbacks.progress import steps_done
 from keras_mirror_kit.distribution import Distribution, distribution_of, is_chief
+from keras_mirror_kit.validation import positive_int
 
 __all__ = ["WandbLogger"]
 
@@ -171,7 +171,7 @@ class WandbLogger(keras.callbacks.Callback):
     ) -> None:
         super().__init__()
         if log_every_n_batches is not None:
-            validate_positive_int("log_every_n_batches", log_every_n_batches)
+            positive_int("log_every_n_batches", log_every_n_batches)
         if upload_checkpoints and checkpoint_dir is None:
             raise ValueError(
                 "`upload_checkpoints=True` needs the directory the checkpoints are written "

@@ -44,6 +44,7 @@ from keras_mirror_kit.data import DatasetCursor, cursor_of
 from keras_mirror_kit.distribution import is_chief
 from keras_mirror_kit.fit_inputs import dataset_cursor
 from keras_mirror_kit.model_setup import check_callback_model
+from keras_mirror_kit.validation import check_bool
 
 __all__ = ["SyncedCheckpoint"]
 
@@ -225,11 +226,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self.verify_atol = float(verify_atol)
         self.strict = bool(strict)
         self.allow_non_finite = bool(allow_non_finite)
-        if not isinstance(async_save, bool):
-            raise TypeError(
-                f"`async_save` must be True or False. Received: async_save={async_save!r}"
-            )
-        self.async_save = async_save
+        self.async_save = check_bool("async_save", async_save)
         self._writer = BackgroundWriter()  # the write in progress with async_save=True
         self.monitor, self.mode, self.keep_best = monitor, mode, keep_best
         self._model_config: dict[str, Any] | None = None

@@ -22,6 +22,7 @@ from typing import Any
 
 import keras
 
+from keras_mirror_kit.atomic_files import atomic_path
 from keras_mirror_kit.callbacks.synced_checkpoint.paths import auto_name_prefixes, match_state
 from keras_mirror_kit.callbacks.synced_checkpoint.state import build_optimizer, state_variables
 from keras_mirror_kit.checkpoint_store import (
@@ -311,16 +312,10 @@ def export_checkpoint(
     else:
         built = (_factory(model) if isinstance(model, str) else model)()
     restore(built, directory, loaded.path.name, optimizer=False)
-    suffix = ".keras" if target.name.endswith(".keras") else ".weights.h5"
-    tmp = target.with_name(f".{target.name}.{os.urandom(4).hex()}.tmp{suffix}")
-    try:
-        if suffix == ".keras":
+    with atomic_path(target) as tmp:
+        if target.name.endswith(".keras"):
             built.save(tmp)
         else:
             built.save_weights(tmp)
-        os.replace(tmp, target)
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
     logger.info("keras-mirror-kit: exported %s to %s", loaded.path.name, target)
     return target

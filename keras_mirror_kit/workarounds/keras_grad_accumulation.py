@@ -55,7 +55,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit.keras_workarounds import keras_version_in
+from keras_mirror_kit.workarounds import keras_version_in
 
 __all__ = ["TESTED_KERAS", "UPSTREAM", "accumulating_optimizer", "apply", "is_fixed", "status"]
 
@@ -137,8 +137,8 @@ def _refusal(steps: int) -> ValueError:
         f"Gradient accumulation under tf.distribute is refused on Keras {keras.__version__}: "
         f"Keras' own accumulation cannot run under a strategy ({UPSTREAM}) and the kit "
         f"corrects it on Keras {low} <= version < {high} only (see "
-        "keras_mirror_kit.keras_grad_accumulation). Use a Keras version in that range, or "
-        "a larger per-replica batch without accumulation. Received: "
+        "keras_mirror_kit.workarounds.keras_grad_accumulation). Use a Keras version in that "
+        "range, or a larger per-replica batch without accumulation. Received: "
         f"keras.__version__={keras.__version__!r}, gradient_accumulation_steps={steps}"
     )
 

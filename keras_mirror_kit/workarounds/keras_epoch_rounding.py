@@ -56,6 +56,6 @@ def check_step_arguments(model: Any, **steps: int | None) -> None:
         raise ValueError(
             f"{name}={count} is not a multiple of the model's steps_per_execution="
             f"{per_execution}: Keras 3 would run {-(-count // per_execution) * per_execution} "
-            f"{runs} instead (see keras_mirror_kit.keras_epoch_rounding). Use a multiple, "
-            f"e.g. {name}={lower} or {lower + per_execution}. Received: {name}={count}"
+            f"{runs} instead (see keras_mirror_kit.workarounds.keras_epoch_rounding). Use a "
+            f"multiple, e.g. {name}={lower} or {lower + per_execution}. Received: {name}={count}"
         )

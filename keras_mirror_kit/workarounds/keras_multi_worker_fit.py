@@ -56,6 +56,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_mirror_kit.workarounds import keras_version_in
+
 __all__ = [
     "ENV_VAR",
     "TESTED_KERAS",
@@ -94,33 +96,6 @@ def _trainer_module() -> Any:
     from keras.src.backend.tensorflow import trainer
 
     return trainer
-
-
-def _parse_version(text: str) -> tuple[int, int, int]:
-    numbers = [int(part) for part in re.findall(r"\d+", text)[:3]]
-    return tuple((numbers + [0, 0, 0])[:3])  # type: ignore[return-value]
-
-
-def keras_version_in(
-    tested: tuple[tuple[int, int, int], tuple[int, int, int]], keras_version: str | None = None
-) -> bool:
-    """Whether a Keras version is in a workaround's tested range `low <= version < high`.
-
-    Args:
-        tested: The `(low, high)` version triples (a module's `TESTED_KERAS`).
-        keras_version: The version to judge (default: the installed `keras.__version__`).
-
-    Returns:
-        True inside the range.
-
-    Example:
-
-    ```python
-    keras_version_in(((3, 15, 0), (3, 16, 0)), "3.15.1")  # True
-    ```
-    """
-    low, high = tested
-    return low <= _parse_version(keras_version or keras.__version__) < high
 
 
 def is_multi_worker(strategy: Any) -> bool:
@@ -258,7 +233,7 @@ def apply(strategy: Any) -> bool:
 
     ```python
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    keras_workarounds.apply(strategy)
+    keras_multi_worker_fit.apply(strategy)
     ```
     """
     chosen = mode()

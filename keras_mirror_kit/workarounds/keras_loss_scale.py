@@ -47,7 +47,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit.keras_workarounds import keras_version_in
+from keras_mirror_kit.workarounds import keras_version_in
 
 __all__ = ["TESTED_KERAS", "UPSTREAM", "apply", "is_fixed", "status"]
 
@@ -133,7 +133,7 @@ def _refusal(replicas: int) -> ValueError:
         f"refused on Keras {keras.__version__}: its LossScaleOptimizer decides from the "
         "first replica's gradients alone whether a step overflowed, so an overflow on "
         "another replica writes inf/NaN into the weights (see "
-        "keras_mirror_kit.keras_loss_scale). The kit corrects this on Keras "
+        "keras_mirror_kit.workarounds.keras_loss_scale). The kit corrects this on Keras "
         f"{low} <= version < {high} only. Use mixed_precision='mixed_bfloat16' (same "
         "speed on recent GPUs, no loss scaling needed), train on one replica, or use a "
         f"Keras version in that range. Received: keras.__version__={keras.__version__!r}, "

@@ -11,14 +11,14 @@ import tensorflow as tf
 from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit import keras_fit_stall
+from keras_mirror_kit.workarounds import tf_data_iterator_stall
 from tests import models
 
 
 def per_device_autotune(run) -> list[object]:
     """Runs `run()` and returns `options().autotune.enabled` of every per-replica pipeline
     that TensorFlow built meanwhile (as the kit's wrapper hands it back)."""
-    with keras_fit_stall.per_device_autotune_disabled():
+    with tf_data_iterator_stall.per_device_autotune_disabled():
         pass  # installs the kit's wrapper, so the spy below sits on top of it
     wrapper, seen = mdi._create_device_dataset, []  # noqa: SLF001
 
@@ -47,8 +47,8 @@ def test_make_dataset_has_no_autotuning():
 
 def test_per_device_pipelines_lose_autotuning_only_inside_the_block():
     def inside():
-        with keras_fit_stall.per_device_autotune_disabled():
-            with keras_fit_stall.per_device_autotune_disabled():  # re-entrant
+        with tf_data_iterator_stall.per_device_autotune_disabled():
+            with tf_data_iterator_stall.per_device_autotune_disabled():  # re-entrant
                 first_distributed_batch()
 
     seen = per_device_autotune(inside)
@@ -63,14 +63,14 @@ def test_models_built_by_the_kit_fit_without_per_device_autotuning():
         return models.compile_sgd(models.sequential())
 
     model = build()
-    assert keras_fit_stall.is_applied(model)
-    assert keras_fit_stall.apply(model) is model  # idempotent
+    assert tf_data_iterator_stall.is_applied(model)
+    assert tf_data_iterator_stall.apply(model) is model  # idempotent
     x = np.random.default_rng(0).normal(size=(32, 6)).astype("float32")
     data = kmk.make_dataset(x, np.zeros(32, "int32"), 8, seed=0)
     seen = per_device_autotune(lambda: model.fit(data, epochs=2, verbose=0))
     assert len(seen) >= 4 and all(enabled is False for enabled in seen)
     plain = models.compile_sgd(models.sequential())  # not built by the kit: untouched
-    assert not keras_fit_stall.is_applied(plain)
+    assert not tf_data_iterator_stall.is_applied(plain)
 
 
 def test_the_block_is_per_thread_another_thread_keeps_autotuning():
@@ -82,7 +82,7 @@ def test_the_block_is_per_thread_another_thread_keeps_autotuning():
     results: dict[str, object] = {}
 
     def kit_thread():
-        with keras_fit_stall.per_device_autotune_disabled():
+        with tf_data_iterator_stall.per_device_autotune_disabled():
             inside.set()
             other_done.wait(60)
             first_distributed_batch()

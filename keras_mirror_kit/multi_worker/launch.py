@@ -5,7 +5,7 @@ keras-mirror-kit launch -n 2 train.py --epochs 10
 keras-mirror-kit launch -n 2 -- train.py --epochs 10      # "--" ends the launcher's options
 keras-mirror-kit launch -n 2 -- python3 train.py --epochs 10   # a command, as for mpirun
 keras-mirror-kit launch -n 2 -- ./run.sh
-python -m keras_mirror_kit.launch -n 2 -m my_package.train
+python -m keras_mirror_kit.multi_worker.launch -n 2 -m my_package.train
 ```
 
 The first word after the launcher's options decides how a worker is started (see
@@ -85,6 +85,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from keras_mirror_kit.multi_worker import READY_FILE_ENV
+
 __all__ = [
     "LaunchError",
     "assign_gpus",
@@ -97,7 +99,6 @@ __all__ = [
 ]
 
 PROG = "keras-mirror-kit launch"
-READY_FILE_ENV = "KMK_LAUNCH_READY_FILE"  # keras_mirror_kit.multi_worker.READY_FILE_ENV
 RANK_ENV = "KMK_LAUNCH_RANK"
 WORLD_SIZE_ENV = "KMK_LAUNCH_WORLD_SIZE"
 RESTART_ENV = "KMK_LAUNCH_RESTART_COUNT"  # 0 in the first attempt, then 1, 2, ...
@@ -1166,7 +1167,7 @@ def main(argv: list[str] | None = None) -> int:
     Example:
 
     ```python
-    from keras_mirror_kit import launch
+    from keras_mirror_kit.multi_worker import launch
     exit_code = launch.main(["-n", "2", "train.py", "--epochs", "1"])
     ```
     """

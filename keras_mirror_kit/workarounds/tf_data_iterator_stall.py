@@ -121,7 +121,7 @@ def _install() -> bool:
         logger.warning(
             "keras-mirror-kit: this TensorFlow (%s) has no %s.%s, so the per-device input "
             "pipelines keep autotuning and model.fit may stall at epoch ends "
-            "(see keras_mirror_kit.keras_fit_stall).",
+            "(see keras_mirror_kit.workarounds.tf_data_iterator_stall).",
             tf.__version__,
             _TARGET_MODULE,
             _TARGET_NAME,
@@ -211,7 +211,7 @@ def apply(model: M) -> M:
     Example:
 
     ```python
-    model = keras_fit_stall.apply(build_model())
+    model = tf_data_iterator_stall.apply(build_model())
     ```
     """
     if is_applied(model):

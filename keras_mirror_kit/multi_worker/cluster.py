@@ -36,6 +36,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_mirror_kit.multi_worker import READY_FILE_ENV
+
 __all__ = [
     "COLLECTIVE_TIMEOUT_ENV",
     "READY_FILE_ENV",
@@ -52,7 +54,6 @@ logger = logging.getLogger("keras_mirror_kit")
 
 TF_CONFIG_ENV = "TF_CONFIG"
 COLLECTIVE_TIMEOUT_ENV = "KMK_COLLECTIVE_TIMEOUT"
-READY_FILE_ENV = "KMK_LAUNCH_READY_FILE"
 SLURM_PORT_BASE_ENV = "KMK_SLURM_PORT_BASE"
 # Variables SlurmClusterResolver reads (tensorflow/python/distribute/cluster_resolver/
 # slurm_cluster_resolver.py, TF 2.21; it expands the node list itself, without scontrol).
@@ -94,17 +95,12 @@ class TFConfig:
         return sum(len(self.cluster.get(job, ())) for job in TRAINING_JOBS)
 
     @property
-    def is_chief(self) -> bool:
-        """Whether this task is the chief: the `chief` task, else worker 0 when no chief."""
-        if self.task_type == "chief":
-            return True
-        return (
-            self.task_type == "worker" and self.task_index == 0 and not self.cluster.get("chief")
-        )
-
-    @property
     def rank(self) -> int | None:
-        """This task's position among the training tasks (chief first), or None."""
+        """This task's position among the training tasks (chief first), or None.
+
+        Rank 0 is the chief (the `chief` task, else worker 0), the task TensorFlow's
+        `should_checkpoint` picks; `Distribution.is_chief` is what the kit's callbacks ask.
+        """
         if self.task_type is None or self.task_index is None:
             return None
         if self.task_type == "chief":
@@ -186,7 +182,7 @@ def parse_tf_config(raw: str | None = None) -> TFConfig | None:
     ```python
     config = parse_tf_config('{"cluster": {"worker": ["a:2222", "b:2222"]}, '
                              '"task": {"type": "worker", "index": 1}}')
-    config.num_workers, config.is_chief   # (2, False)
+    config.num_workers, config.rank   # (2, 1)
     ```
     """
     if raw is None:
@@ -560,7 +556,8 @@ def create_strategy(
     The cluster comes from `cluster_resolver` or else `TF_CONFIG` (without either, a
     single-worker strategy over this host). The call blocks until every worker of the
     cluster has started (TensorFlow's behaviour); with more than one worker it then
-    installs the Keras `model.fit` workaround (`keras_mirror_kit.keras_workarounds`).
+    installs the Keras `model.fit` workaround
+    (`keras_mirror_kit.workarounds.keras_multi_worker_fit`).
 
     Args:
         cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver` (for example
@@ -596,11 +593,11 @@ def create_strategy(
             "(for example SlurmClusterResolver()). "
             f"Received: cluster_resolver={cluster_resolver!r}"
         )
-    from keras_mirror_kit import keras_workarounds
+    from keras_mirror_kit.workarounds import keras_multi_worker_fit
 
     implementation = _implementation(cross_device_ops)
     timeout = _collective_timeout(collective_timeout_s)
-    keras_workarounds.mode()  # a bad KMK_KERAS_WORKAROUND fails now, not after connecting
+    keras_multi_worker_fit.mode()  # a bad KMK_KERAS_WORKAROUND fails now, not after connecting
     if cluster_resolver is None and parse_tf_config() is None and slurm_num_tasks() > 1:
         cluster_resolver = slurm_cluster_resolver()  # srun with several tasks
         logger.info("keras-mirror-kit: a Slurm job step: using SlurmClusterResolver")
@@ -627,7 +624,7 @@ def create_strategy(
             config.task_type,
             config.task_index,
             config.address,
-            ", chief" if config.is_chief else "",
+            ", chief" if config.rank == 0 else "",
         )
     options = tf.distribute.experimental.CommunicationOptions(
         timeout_seconds=timeout, implementation=implementation
@@ -635,7 +632,7 @@ def create_strategy(
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=cluster_resolver, communication_options=options
     )
-    keras_workarounds.apply(strategy)
+    keras_multi_worker_fit.apply(strategy)
     _signal_ready()
     return strategy, f"collective-{implementation.name.lower()}"
 

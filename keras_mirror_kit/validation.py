@@ -1,0 +1,129 @@
+"""Argument validators shared by the whole kit: one wording for every "must be" error.
+
+Each returns the value in its canonical type or raises a `TypeError` (wrong type; bools are
+never numbers here) or `ValueError` (right type, bad value) of the form
+`` `name` must be ... Received: name=value ``, as Keras' own errors read. Domain checks
+(a learning-rate rule, a precision policy, a `TF_CONFIG`) stay with their modules.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+__all__ = ["check_bool", "non_negative_int", "positive_int", "positive_number"]
+
+
+def _int(name: str, value: object, minimum: int, kind: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"`{name}` must be a {kind} integer. Received: {name}={value!r} "
+            f"(of type {type(value).__name__})"
+        )
+    if value < minimum:
+        raise ValueError(f"`{name}` must be a {kind} integer. Received: {name}={value}")
+    return int(value)
+
+
+def positive_int(name: str, value: object) -> int:
+    """Checks that `value` is a positive integer (bools are rejected).
+
+    Args:
+        name: The argument's name, used in the error message.
+        value: The value to check.
+
+    Returns:
+        `value` as an `int`.
+
+    Raises:
+        TypeError: If `value` is not an integer.
+        ValueError: If `value` is zero or negative.
+
+    Example:
+
+    ```python
+    positive_int("batch_size", 64)  # -> 64
+    ```
+    """
+    return _int(name, value, 1, "positive")
+
+
+def non_negative_int(name: str, value: object) -> int:
+    """Checks that `value` is an integer >= 0 (bools are rejected).
+
+    Args:
+        name: The argument's name, used in the error message.
+        value: The value to check.
+
+    Returns:
+        `value` as an `int`.
+
+    Raises:
+        TypeError: If `value` is not an integer.
+        ValueError: If `value` is negative.
+
+    Example:
+
+    ```python
+    non_negative_int("seed", 0)  # -> 0
+    ```
+    """
+    return _int(name, value, 0, "non-negative")
+
+
+def positive_number(name: str, value: object, meaning: str = "") -> float:
+    """Checks that `value` is a positive, finite real number (bools are rejected).
+
+    Args:
+        name: The argument's name, used in the error message.
+        value: The value to check.
+        meaning: What the number is, added to the type error (e.g. "the peak FLOP/s of one
+            device").
+
+    Returns:
+        `value` as a `float`.
+
+    Raises:
+        TypeError: If `value` is not a real number.
+        ValueError: If `value` is zero, negative, NaN or infinite.
+
+    Example:
+
+    ```python
+    positive_number("peak_flops", 312e12)  # -> 312000000000000.0
+    ```
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        what = f" ({meaning})" if meaning else ""
+        raise TypeError(
+            f"`{name}` must be a positive number{what}. Received: {name}={value!r} "
+            f"(of type {type(value).__name__})"
+        )
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"`{name}` must be a positive, finite number. Received: {name}={value}")
+    return number
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Checks that `value` is True or False (not merely truthy).
+
+    Args:
+        name: The argument's name, used in the error message.
+        value: The value to check.
+
+    Returns:
+        `value`.
+
+    Raises:
+        TypeError: If `value` is not a bool.
+
+    Example:
+
+    ```python
+    check_bool("async_save", True)  # -> True
+    ```
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return value

@@ -1,0 +1,72 @@
+"""Workarounds for upstream bugs, one module per bug, each named for what it works around.
+
+Each module names its upstream issue (or says that none was found), is applied only to
+what the kit builds (plain Keras models and Keras' classes are untouched), is guarded to the
+versions it was tested on where it patches Keras, and has the test or benchmark below that
+shows whether the bug is still there, so it can be removed when upstream fixes it.
+
+* `keras_multi_worker_fit`: Keras' `model.fit` fails under `MultiWorkerMirroredStrategy`
+  (first-batch build, per-replica log reduction). Upstream: keras-team/keras#20585,
+  tensorflow/tensorflow#72388. Remove when Keras' source no longer has the failing calls
+  (`tests/test_multi_worker.py::test_workaround_version_guard`).
+* `keras_loss_scale`: float16 loss scaling decides overflow from replica 0 alone. Upstream:
+  the code of keras-team/keras#18691. Remove when
+  `tests/test_loss_scale.py::test_plain_keras_still_trusts_replica_0` fails.
+* `keras_grad_accumulation`: gradient accumulation fails under a strategy (`merge_call` in
+  `ops.cond`) and keeps per-replica accumulators. Upstream: keras-team/keras#20582. Remove
+  when `tests/test_gradient_accumulation.py::
+  test_plain_keras_accumulation_still_fails_under_mirrored_strategy` fails.
+* `keras_epoch_rounding`: epochs and evaluations rounded up to a multiple of
+  `steps_per_execution`. No upstream report found (see the module). Remove when Keras
+  truncates the last execution as `compile()` documents.
+* `tf_data_iterator_stall`: `fit` stalls at epoch ends on a lost wake-up of `tf.data`'s
+  autotuning thread (TensorFlow, not Keras). No upstream report found (see the module).
+  Remove when `benchmarks/end_of_fit_stall.py` shows no stall with autotuning on.
+
+Example:
+
+```python
+from keras_mirror_kit.workarounds import keras_version_in
+keras_version_in(((3, 15, 0), (3, 16, 0)), "3.15.1")  # True
+```
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["keras_version_in"]
+
+
+def _parse_version(text: str) -> tuple[int, int, int]:
+    numbers = [int(part) for part in re.findall(r"\d+", text)[:3]]
+    return tuple((numbers + [0, 0, 0])[:3])  # type: ignore[return-value]
+
+
+def keras_version_in(
+    tested: tuple[tuple[int, int, int], tuple[int, int, int]], keras_version: str | None = None
+) -> bool:
+    """Whether a Keras version is in a workaround's tested range `low <= version < high`.
+
+    Args:
+        tested: The `(low, high)` version triples (a module's `TESTED_KERAS`).
+        keras_version: The version to judge (default: the installed `keras.__version__`).
+
+    Returns:
+        True inside the range.
+
+    Raises:
+        ImportError: When `keras_version` is not given and Keras is not installed.
+
+    Example:
+
+    ```python
+    keras_version_in(((3, 15, 0), (3, 16, 0)), "3.15.1")  # True
+    ```
+    """
+    if keras_version is None:
+        import keras
+
+        keras_version = keras.__version__
+    low, high = tested
+    return low <= _parse_version(keras_version) < high
