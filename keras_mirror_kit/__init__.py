@@ -145,6 +145,9 @@ def __getattr__(name: str) -> Any:
     """Imports a public name from its module on first use (PEP 562)."""
     module_name = _LAZY.get(name)
     if module_name is None:
+        # A sub-module (`kmk.devices`, `kmk.callbacks`, ...), as an eager package would have.
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}"):
+            return importlib.import_module(f"{__name__}.{name}")
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module = importlib.import_module(module_name)
     value = module if name in _SUBMODULES else getattr(module, name)

@@ -8,6 +8,11 @@ longer runs, or now runs another process) is stale and is taken over with a warn
 lock of a live process, or of another host, is refused with `CheckpointLockedError`. The
 process that holds a lock may take it again (a later `fit()` after one that raised).
 
+Under Slurm the lock also records the job id and its restart count: a requeued job
+(`--requeue`, same `SLURM_JOB_ID`, higher `SLURM_RESTART_COUNT`) takes over the lock of its
+earlier run even when that ran on another node, since Slurm ended that run before
+requeueing it.
+
 This module knows nothing of Keras or TensorFlow.
 """
 
@@ -39,11 +44,31 @@ _HELD_LOCK = threading.Lock()
 
 
 class CheckpointLockedError(CheckpointError):
-    """Another live process writes to the checkpoint directory."""
+    """Another live process writes to the checkpoint directory (its `writer.lock`).
+
+    Raised at `on_train_begin`, before any step; the message names the pid and host.
+
+    Example:
+
+    ```python
+    try:
+        model.fit(ds, callbacks=[kmk.SyncedCheckpoint("ckpts")])
+    except kmk.CheckpointLockedError as err:
+        print(err)   # use another directory, or stop the other run
+    ```
+    """
 
 
 class StaleLockWarning(UserWarning):
-    """A lock left by a process that no longer runs was taken over."""
+    """A lock left by a process that no longer runs (or an earlier Slurm run) was taken over.
+
+    Example:
+
+    ```python
+    import warnings
+    warnings.simplefilter("error", kmk.StaleLockWarning)  # never take a lock over
+    ```
+    """
 
 
 def _proc_stat(pid: int) -> list[str] | None:
@@ -60,6 +85,18 @@ def _process_start(pid: int) -> str | None:
     """The start time of `pid`, which tells a reused pid apart; None if unknown."""
     fields = _proc_stat(pid)
     return fields[19] if fields is not None and len(fields) > 19 else None
+
+
+def _slurm_job() -> dict[str, Any]:
+    """This process's Slurm job id and restart count, or {} outside a Slurm job."""
+    job = os.environ.get("SLURM_JOB_ID", "").strip()
+    if not job:
+        return {}
+    try:
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        restarts = 0
+    return {"slurm_job_id": job, "slurm_restart_count": restarts}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -114,6 +151,7 @@ class DirectoryLock:
             "process_start": _process_start(os.getpid()),
             "token": os.urandom(8).hex(),
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **_slurm_job(),
         }
 
     def read(self) -> dict[str, Any] | None:
@@ -267,6 +305,17 @@ class DirectoryLock:
     def _stale_reason(self, record: dict[str, Any]) -> str | None:
         """Why the lock is stale (its owner is gone), or None when it may be alive."""
         pid, host = record.get("pid"), record.get("host")
+        ours = _slurm_job()
+        if (
+            ours
+            and record.get("slurm_job_id") == ours["slurm_job_id"]
+            and isinstance(record.get("slurm_restart_count"), int)
+            and record["slurm_restart_count"] < ours["slurm_restart_count"]
+        ):
+            return (
+                f"an earlier run (restart {record['slurm_restart_count']}) of Slurm job "
+                f"{ours['slurm_job_id']} on {host}, which Slurm ended before requeueing it"
+            )
         if not isinstance(pid, int) or host != socket.gethostname():
             return None  # another host (or unreadable): cannot tell, refuse
         if not _pid_alive(pid):

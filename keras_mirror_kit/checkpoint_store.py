@@ -80,18 +80,47 @@ _ENTRY_KEYS = (
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used or written (not a directory, wrong model, NaN state)."""
+    """A checkpoint cannot be used or written (not a directory, wrong model, NaN state).
+
+    Raised before anything is restored or trained; the checkpoints on disk are untouched.
+
+    Example:
+
+    ```python
+    try:
+        kmk.restore(model, "ckpts")
+    except kmk.CheckpointError as err:
+        print(err)   # says what does not match and what to do
+    ```
+    """
 
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, permission denied, ...).
 
     Every earlier checkpoint is left intact when this is raised.
+
+    Example:
+
+    ```python
+    try:
+        model.fit(ds, epochs=10, callbacks=[kmk.SyncedCheckpoint("ckpts")])
+    except kmk.CheckpointWriteError as err:
+        print(err.errno, err)   # free space or fix permissions, then resume
+    ```
     """
 
 
 class CorruptCheckpointWarning(UserWarning):
-    """A checkpoint file failed verification and was skipped."""
+    """A checkpoint file failed verification and was skipped (the previous good one is used).
+
+    Example:
+
+    ```python
+    import warnings
+    warnings.simplefilter("error", kmk.CorruptCheckpointWarning)  # refuse to fall back
+    ```
+    """
 
 
 class CheckpointArrays(Mapping[str, np.ndarray]):

@@ -6,7 +6,7 @@ Usage: python -m tests.mw_child OUT_DIR [--epochs N] [--ckpt DIR] [--save-freq F
            [--delay-rank R --delay S]
            [--spawn-grandchild] [--probe-upstream]
            [--tiny] [--mark-step K[,K...]] [--hold-last-step FILE]
-           [--preemption-signals SIGTERM,SIGUSR1]
+           [--preemption-signals SIGTERM,SIGUSR1] [--accumulate N]
 
 Trains the CIFAR-10 CNN on a little synthetic data with `kmk.distributed` and
 `kmk.make_dataset`, one process per worker (TF_CONFIG from the launcher) or a single
@@ -21,7 +21,9 @@ a list gives each attempt its own K); --hold-last-step FILE waits, before the la
 training, until FILE exists ("{attempt}" in FILE replaced), so that a signal sent before
 FILE is created lands in training. On
 `Preempted` (a save on a stop signal) OUT_DIR/preempted-<attempt>-<rank>.json says where it
-stopped, and the process exits with status 75.
+stopped, and the process exits with status 75. --accumulate N passes
+gradient_accumulation_steps=N to `kmk.distributed` and records how many micro-batches
+changed the weights (the optimizer's updates).
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def main() -> int:
     parser.add_argument("--mark-step", default="")
     parser.add_argument("--hold-last-step")
     parser.add_argument("--preemption-signals", default="SIGTERM")
+    parser.add_argument("--accumulate", type=int, default=1)
     args = parser.parse_args()
     rank = _rank()
     attempt = os.environ.get("KMK_LAUNCH_RESTART_COUNT", "0")
@@ -116,7 +119,7 @@ def main() -> int:
     from keras_mirror_kit.datasets import make_synthetic_cifar10
     from keras_mirror_kit.workarounds import keras_multi_worker_fit
 
-    @kmk.distributed(global_batch_size=GLOBAL_BATCH)
+    @kmk.distributed(global_batch_size=GLOBAL_BATCH, gradient_accumulation_steps=args.accumulate)
     def build():
         keras.utils.set_random_seed(INIT_SEED)
         if args.tiny:
@@ -166,6 +169,7 @@ def main() -> int:
     weights: dict[str, np.ndarray] = {f"init_{i}": w for i, w in enumerate(model.get_weights())}
     dataset = kmk.make_dataset(x, y, GLOBAL_BATCH, seed=ORDER_SEED, preprocess=kmk.rescale())
     losses: list[float] = []
+    seen = [model.get_weights()]  # the weights after the last batch (--accumulate)
     timing = {"step_s": 0.0, "save_s": 0.0}
     epochs_run: list[int] = []
 
@@ -190,6 +194,11 @@ def main() -> int:
                 with open(os.path.join(args.out, f"reached-{attempt}-{rank}"), "w") as handle:
                     handle.write(str(int(self.model.optimizer.iterations.numpy())))
             losses.append(float(logs["loss"]))
+            if args.accumulate > 1:  # count the micro-batches that changed the weights
+                now = self.model.get_weights()
+                changed = any(not np.array_equal(a, b) for a, b in zip(now, seen[-1]))
+                result["weight_updates"] = result.get("weight_updates", 0) + int(changed)
+                seen[-1] = now
             if args.die_rank == rank and (self.epoch, batch) == (
                 args.die_epoch,
                 args.die_at_batch,
@@ -278,6 +287,7 @@ def main() -> int:
         losses=losses,
         epochs_run=epochs_run,
         iterations=int(model.optimizer.iterations.numpy()),
+        micro_steps=int(model.optimizer._iterations.numpy()),
         timing=timing,
         ckpt_events=ckpt_events,
         restored_from=(

@@ -132,3 +132,26 @@ def test_a_live_process_or_another_host_keeps_its_lock(tmp_path):
         DirectoryLock(tmp_path).acquire()
     assert "delete the lock file" in str(info.value)
     assert json.loads((tmp_path / LOCK_FILE).read_text())["token"] == "remote"
+
+
+def test_a_requeued_slurm_job_takes_over_its_earlier_runs_lock_from_another_node(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    pid = _reaped_pid()
+    # The same job's first run, on another node, SIGKILLed before it could release the lock.
+    _write_lock(tmp_path, pid=pid, host="node-a", token="first-run",
+                slurm_job_id="4242", slurm_restart_count=0)  # fmt: skip
+    with pytest.warns(StaleLockWarning, match="Slurm job 4242"):
+        lock = DirectoryLock(tmp_path)
+        lock.acquire()
+    record = json.loads((tmp_path / LOCK_FILE).read_text())
+    assert record["pid"] == os.getpid() and record["slurm_restart_count"] == 1
+    lock.release()
+    # Another job (or the same run) on another node still keeps its lock.
+    for job, restarts in (("9999", 0), ("4242", 1)):
+        _write_lock(tmp_path, pid=pid, host="node-a", token="other",
+                    slurm_job_id=job, slurm_restart_count=restarts)  # fmt: skip
+        with pytest.raises(CheckpointLockedError, match="on host 'node-a'"):
+            DirectoryLock(tmp_path).acquire()

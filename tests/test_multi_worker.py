@@ -987,3 +987,35 @@ def test_throughput_and_wandb_in_a_real_two_worker_run(first_run):
     assert len(chief_runs) == 1
     assert not list((out / "observe" / "runs-1").rglob("*.wandb"))  # the worker logs nothing
     assert not (out / "observe" / "runs-1" / "wandb").exists()
+
+
+@pytest.mark.timeout(600)
+def test_two_workers_accumulate_gradients_like_one_process_with_two_replicas(tmp_path):
+    """Issue 15 item 5: `gradient_accumulation_steps=2` on 2 real workers (one replica
+    each) ends on the weights of 1 process with 2 replicas, same data order, and updates
+    the weights once every 2 micro-batches."""
+    out, ref = tmp_path / "workers", tmp_path / "reference"
+    child_args = ("--tiny", "--accumulate", "2")  # 8 micro-batches of 64: 4 updates
+    _ok(_launch(out, *child_args))
+    proc = subprocess.run(
+        [sys.executable, "-m", CHILD, str(ref), *child_args],
+        cwd=REPO,
+        env=_child_env(KMK_SIMULATE_REPLICAS="2"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    _ok(proc)
+    expected = json.loads((ref / "result-0.json").read_text())
+    assert expected["num_replicas"] == 2 and expected["strategy"] == "MirroredStrategy"
+    for result in [*_results(out), expected]:
+        assert result["num_replicas"] == 2
+        assert (result["micro_steps"], result["iterations"]) == (8, 4)
+        assert result["weight_updates"] == 4, result  # only every 2nd micro-batch updates
+    assert _results(out)[0]["num_workers"] == 2
+    ref_w = _weights(ref, 0, "e0_")
+    moved = _max_diff(ref_w, _weights(ref, 0, "init_"))
+    assert moved > 1e-3  # the training moved the weights
+    w0, w1 = _weights(out, 0, "e0_"), _weights(out, 1, "e0_")
+    assert _max_diff(w0, w1) == 0.0, "the workers' weights differ"
+    assert _max_diff(w0, ref_w) <= TOLERANCE

@@ -217,3 +217,19 @@ def small_model():
     return keras.Sequential(
         [keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)]
     )
+
+
+def test_user_chosen_names_that_end_like_auto_numbers_must_be_equal():
+    from keras_mirror_kit.callbacks.synced_checkpoint.paths import pair_by_path
+
+    shape = (2, 2)
+    mine = pair_by_path([("model", "my_dense_1/kernel", shape)],
+                        [("model", "my_dense_2/kernel", shape)], {"dense"})  # fmt: skip
+    assert mine.pairs == [] and len(mine.differences) == 2
+    # Keras' own numbering still matches, also in the optimizer's flattened paths.
+    saved = [("model", "dense_1/kernel", shape),
+             ("optimizer", "adam/sequential_1_dense_1_kernel", shape)]  # fmt: skip
+    here = [("model", "dense_3/kernel", shape),
+            ("optimizer", "adam_2/sequential_4_dense_3_kernel", shape)]  # fmt: skip
+    auto = pair_by_path(saved, here, {"dense", "sequential", "adam"})
+    assert auto.pairs == [(0, 0), (1, 1)] and auto.differences == []

@@ -32,6 +32,7 @@ except ImportError as err:  # pragma: no cover - exercised in a subprocess test
 from keras_mirror_kit._version import __version__
 from keras_mirror_kit.callbacks.callback_list import find_callback_list
 from keras_mirror_kit.callbacks.progress import steps_done
+from keras_mirror_kit.checkpoint_lock import LOCK_FILE
 from keras_mirror_kit.distribution import Distribution, distribution_of, is_chief
 from keras_mirror_kit.validation import positive_int
 
@@ -598,8 +599,8 @@ def _scalar_logs(logs: Mapping[str, Any] | None) -> dict[str, float]:
 def _checkpoint_files(checkpoint_dir: str) -> list[str]:
     """Sorted relative paths of the files to upload from `checkpoint_dir`.
 
-    Hidden files and folders (`.name`) and partial writes (`*.tmp`) are skipped; a missing
-    directory has no files.
+    Hidden files and folders (`.name`), partial writes (`*.tmp`) and the writer's lock file
+    are skipped; a missing directory has no files.
     """
     root = Path(checkpoint_dir)
     if not root.is_dir():
@@ -608,7 +609,7 @@ def _checkpoint_files(checkpoint_dir: str) -> list[str]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for filename in filenames:
-            if filename.startswith(".") or filename.endswith(".tmp"):
+            if filename.startswith(".") or filename.endswith(".tmp") or filename == LOCK_FILE:
                 continue
             found.append(Path(dirpath, filename).relative_to(root).as_posix())
     return sorted(found)

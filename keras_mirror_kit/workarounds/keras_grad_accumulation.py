@@ -20,18 +20,23 @@ not use them.
 
 The fix, applied per optimizer *instance* (the class is untouched; models the kit did not
 build are untouched), replaces `_backend_apply_gradients` of the optimizer that accumulates
-(the inner optimizer of a `LossScaleOptimizer`) with the pattern `LossScaleOptimizer` itself
-uses: the decision is taken in cross-replica context (`merge_call`), where a conditional may
-hold branches that synchronise, and each branch goes back to replica context with
-`call_for_each_replica`:
+(the inner optimizer of a `LossScaleOptimizer`). On every micro-batch, in replica context
+and outside any conditional, it all-reduces (sums) the replicas' gradients into the
+micro-batch's global gradient and computes what an update would apply: the mean of the
+accumulated and the current global gradients over N, clipped as Keras clips
+(`_clip_gradients`). Whether this micro-batch completes an update is read from the mirrored
+step counter, so every replica decides alike. Then a `merge_call` (cross-replica context,
+where a conditional may choose between branches) updates each device's copy of each
+variable with `extended.update`:
 
-* a micro-batch that does not complete an update: its gradients are all-reduced (summed
-  over replicas) and added to the accumulators, so every copy holds the same value, the sum
-  of the global gradients so far, which does not depend on the replica count;
-* the micro-batch that completes an update: each replica adds `accumulator / replicas` to
-  its local gradients and divides by N, and Keras' own update step (clipping, weight decay,
-  all-reduce, `update_step`) applies the mean gradient of the N micro-batches; the
-  accumulators are then reset.
+* a micro-batch that does not complete an update adds its global gradient to the
+  accumulator, so every copy holds the same value, the sum of the global gradients so far,
+  which does not depend on the replica count;
+* the micro-batch that completes an update applies the mean gradient with the optimizer's
+  own `update_step` (Keras' per-variable rule: SGD, Adam, ...), after weight decay computed
+  as Keras' `_apply_weight_decay` does (re-implemented here, since Keras' version runs in
+  replica context), and resets the accumulator. `use_ema=True` is refused (Keras' EMA
+  update is not re-implemented).
 
 Every micro-batch therefore costs one all-reduce, as without accumulation: accumulation
 here saves memory (a larger effective batch than fits), not communication. The step

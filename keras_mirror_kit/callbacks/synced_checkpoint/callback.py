@@ -139,7 +139,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             `fit()` runs in the main thread; the previous handlers are put back after it.
         async_save: Write each checkpoint in a background thread while training goes on.
             The chief takes a snapshot of the state at the step boundary (read on the
-            devices: about one copy of the state until it is written); the next save and
+            devices: one extra copy of the state, in accelerator memory on a GPU, until it
+            is written); the next save and
             the end of `fit` wait for the previous write (`wait_for_pending_save()` too),
             and a failed write raises `CheckpointWriteError` at the next training step or
             at the end of `fit`. A kill during a background write leaves the previous
@@ -272,7 +273,25 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             raise
 
     def on_fit_exception(self, exception: BaseException) -> None:
-        """Releases the directory's lock when `fit` raised (called by the kit's `fit`)."""
+        """Cleans up after a `fit` that raised (called by a kit-built model's `fit`).
+
+        Puts the previous signal handlers back, waits for a background write, and releases
+        the directory's lock. Keras skips `on_train_end` when `fit` raises; for a model the
+        kit did not build, the lock is released by the next `fit` in this process or when
+        the process exits.
+
+        Args:
+            exception: What `fit` raised (it propagates unchanged).
+
+        Returns:
+            None.
+
+        Example:
+
+        ```python
+        callback.on_fit_exception(KeyboardInterrupt())
+        ```
+        """
         self._preemption.stop()  # the signal handlers from before this fit()
         try:
             self.wait_for_pending_save()  # a background write lands before the lock goes

@@ -75,12 +75,14 @@ def auto_name_prefixes(model: Any) -> set[str]:
     return {p for p in prefixes if p}
 
 
-def _normalizer(prefixes: Iterable[str]) -> re.Pattern[str] | None:
+def _normalizer(prefixes: Iterable[str], flattened: bool) -> re.Pattern[str] | None:
+    """Matches `prefix_N`; after `_` too only in flattened optimizer paths (`adam/model_1_x`)."""
     names = sorted(prefixes, key=len, reverse=True)
     if not names:
         return None
     alternatives = "|".join(re.escape(n) for n in names)
-    return re.compile(rf"(^|[/_:])({alternatives})_\d+(?=$|/|_)")
+    left = "[/_:]" if flattened else "[/:]"
+    return re.compile(rf"(^|{left})({alternatives})_\d+(?=$|/|_)")
 
 
 def pair_by_path(
@@ -111,15 +113,17 @@ def pair_by_path(
     ```
     """
     exact = sorted((g, p) for g, p, _ in saved) == sorted((g, p) for g, p, _ in here)
-    pattern = None if exact else _normalizer(prefixes)
+    prefixes = list(prefixes)
+    patterns = {flat: None if exact else _normalizer(prefixes, flat) for flat in (False, True)}
 
-    def norm(path: str) -> str:
+    def norm(path: str, group: str = "") -> str:
+        pattern = patterns[group == "optimizer"]
         return pattern.sub(r"\1\2", path) if pattern is not None else path
 
     tops = [] if exact else [norm(root) for root in roots]
 
     def key(group: str, path: str) -> tuple[str, str]:
-        path = norm(path)
+        path = norm(path, group)
         for top in tops:
             head, _, rest = path.partition("/")
             if head == top and rest:  # model/layer/kernel -> layer/kernel
