@@ -45,15 +45,12 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit.validation import positive_number
-
 __all__ = [
     "FlopCount",
     "count_training_flops",
     "model_compute_dtype",
     "model_input_specs",
     "training_flops_per_sample",
-    "validate_flops_per_sample",
 ]
 
 logger = logging.getLogger("keras_mirror_kit")
@@ -106,30 +103,6 @@ class FlopCount:
     by_op_type: Mapping[str, float] = field(default_factory=dict)
     loss: str = "compiled"
     uncounted_op_types: tuple[str, ...] = ()
-
-
-def validate_flops_per_sample(value: object) -> float | None:
-    """Checks a `flops_per_sample` argument: None, or a positive finite number.
-
-    Args:
-        value: The value to check.
-
-    Returns:
-        `value` as a float, or None.
-
-    Raises:
-        TypeError: If `value` is not a real number (bools are rejected).
-        ValueError: If `value` is zero, negative, NaN or infinite.
-
-    Example:
-
-    ```python
-    validate_flops_per_sample(6.0e6)   # -> 6000000.0
-    ```
-    """
-    if value is None:
-        return None
-    return positive_number("flops_per_sample", value, "FLOPs of one training sample")
 
 
 def model_compute_dtype(model: keras.Model) -> str:

@@ -35,9 +35,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from keras_mirror_kit.validation import non_negative_int, positive_int, positive_number
+from keras_mirror_kit.validation import non_negative_int, optional_positive_number, positive_int
 
-__all__ = ["FIGURE_KEYS", "FLOP_KEYS", "ThroughputMeter", "validate_baseline"]
+__all__ = ["BASELINE_MEANING", "FIGURE_KEYS", "FLOP_KEYS", "ThroughputMeter"]
 
 #: Keys of the figures dict, in the order they are reported.
 FIGURE_KEYS = (
@@ -49,6 +49,8 @@ FIGURE_KEYS = (
 
 #: Keys added once the FLOPs per sample are known (`mfu` only with a peak), in this order.
 FLOP_KEYS = ("flops_per_sec", "flops_per_sec_per_replica", "mfu")
+#: What `baseline_samples_per_sec` is, for its type error.
+BASELINE_MEANING = "the samples/s of the same training on 1 replica"
 
 _IDLE, _RUNNING, _PAUSED = "idle", "running", "paused"
 
@@ -63,32 +65,6 @@ class _Tally:
         self.steps += steps
         self.seconds += seconds
         self.samples += samples
-
-
-def validate_baseline(value: object) -> float | None:
-    """Checks a `baseline_samples_per_sec`: None, or a positive finite number.
-
-    Args:
-        value: The value to check.
-
-    Returns:
-        `value` as a float, or None.
-
-    Raises:
-        TypeError: If `value` is not a real number (bools are rejected).
-        ValueError: If `value` is zero, negative, NaN or infinite.
-
-    Example:
-
-    ```python
-    validate_baseline(1250.0)  # -> 1250.0
-    ```
-    """
-    if value is None:
-        return None
-    return positive_number(
-        "baseline_samples_per_sec", value, "the samples/s of the same training on 1 replica"
-    )
 
 
 class ThroughputMeter:
@@ -163,7 +139,9 @@ class ThroughputMeter:
         self._num_replicas = positive_int("num_replicas", num_replicas)
         self._num_workers = positive_int("num_workers", num_workers)
         self._warmup_steps = non_negative_int("warmup_steps", warmup_steps)
-        self._baseline = validate_baseline(baseline_samples_per_sec)
+        self._baseline = optional_positive_number(
+            "baseline_samples_per_sec", baseline_samples_per_sec, BASELINE_MEANING
+        )
         if not callable(clock):
             raise TypeError(f"`clock` must be callable. Received: clock={clock!r}")
         self._clock = clock
@@ -234,8 +212,8 @@ class ThroughputMeter:
         meter.set_flops(6.0e6, peak_flops=2 * 312e12)   # 2 A100s in bfloat16
         ```
         """
-        self._flops_per_sample = _optional_positive("flops_per_sample", flops_per_sample)
-        self._peak_flops = _optional_positive("peak_flops", peak_flops)
+        self._flops_per_sample = optional_positive_number("flops_per_sample", flops_per_sample)
+        self._peak_flops = optional_positive_number("peak_flops", peak_flops)
 
     @property
     def in_warmup(self) -> bool:
@@ -557,7 +535,3 @@ class ThroughputMeter:
             if self._peak_flops is not None:
                 figures["mfu"] = flops_per_sec / self._peak_flops
         return figures
-
-
-def _optional_positive(name: str, value: object) -> float | None:
-    return None if value is None else positive_number(name, value)

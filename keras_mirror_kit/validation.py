@@ -11,7 +11,13 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["check_bool", "non_negative_int", "positive_int", "positive_number"]
+__all__ = [
+    "check_bool",
+    "non_negative_int",
+    "optional_positive_number",
+    "positive_int",
+    "positive_number",
+]
 
 
 def _int(name: str, value: object, minimum: int, kind: str) -> int:
@@ -103,6 +109,30 @@ def positive_number(name: str, value: object, meaning: str = "") -> float:
     if not math.isfinite(number) or number <= 0:
         raise ValueError(f"`{name}` must be a positive, finite number. Received: {name}={value}")
     return number
+
+
+def optional_positive_number(name: str, value: object, meaning: str = "") -> float | None:
+    """Like `positive_number`, but None passes through (an optional figure not given).
+
+    Args:
+        name: The argument's name, used in the error message.
+        value: The value to check, or None.
+        meaning: What the number is, added to the type error.
+
+    Returns:
+        `value` as a `float`, or None.
+
+    Raises:
+        TypeError: If `value` is neither None nor a real number.
+        ValueError: If `value` is zero, negative, NaN or infinite.
+
+    Example:
+
+    ```python
+    optional_positive_number("peak_flops", None)  # -> None
+    ```
+    """
+    return None if value is None else positive_number(name, value, meaning)
 
 
 def check_bool(name: str, value: object) -> bool:

@@ -20,8 +20,8 @@ from keras_mirror_kit.flops import (
     model_compute_dtype,
     model_input_specs,
     training_flops_per_sample,
-    validate_flops_per_sample,
 )
+from keras_mirror_kit.validation import optional_positive_number
 from tests import models
 
 TOLERANCE = 0.02
@@ -205,7 +205,7 @@ def test_a_model_without_a_single_compiled_loss_uses_the_surrogate():
      ("1e6", TypeError)],
 )  # fmt: skip
 def test_validate_flops_per_sample(value, error):
-    assert validate_flops_per_sample(None) is None
-    assert validate_flops_per_sample(6e6) == 6e6
+    assert optional_positive_number("flops_per_sample", None) is None
+    assert optional_positive_number("flops_per_sample", 6e6) == 6e6
     with pytest.raises(error, match="flops_per_sample"):
-        validate_flops_per_sample(value)
+        optional_positive_number("flops_per_sample", value)

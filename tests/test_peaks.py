@@ -19,8 +19,8 @@ from keras_mirror_kit.devices.peaks import (
     resolve_peak,
     roof_path,
     store_roof,
-    validate_peak_flops,
 )
+from keras_mirror_kit.validation import optional_positive_number
 
 # The GPUs the table must cover (issue: datacenter and workstation GPUs of the last three
 # generations), by the name TensorFlow reports for them.
@@ -81,11 +81,14 @@ def test_compute_dtype_keys():
 
 
 def test_validate_peak_flops():
-    assert validate_peak_flops(None) is None and validate_peak_flops(312e12) == 312e12
+    assert (
+        optional_positive_number("peak_flops", None) is None
+        and optional_positive_number("peak_flops", 312e12) == 312e12
+    )
     with pytest.raises(ValueError, match="peak_flops"):
-        validate_peak_flops(0)
+        optional_positive_number("peak_flops", 0)
     with pytest.raises(TypeError, match="peak_flops"):
-        validate_peak_flops("312e12")
+        optional_positive_number("peak_flops", "312e12")
 
 
 def test_roof_path_follows_the_environment(monkeypatch, tmp_path):

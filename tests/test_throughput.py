@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from keras_mirror_kit.throughput import FIGURE_KEYS, ThroughputMeter, validate_baseline
+from keras_mirror_kit.throughput import FIGURE_KEYS, ThroughputMeter
+from keras_mirror_kit.validation import optional_positive_number
 
 
 class FakeClock:
@@ -360,12 +361,12 @@ def test_invalid_n_steps(n, error):
 
 
 def test_validate_baseline():
-    assert validate_baseline(None) is None
-    assert validate_baseline(12) == 12.0
+    assert optional_positive_number("baseline_samples_per_sec", None) is None
+    assert optional_positive_number("baseline_samples_per_sec", 12) == 12.0
     with pytest.raises(ValueError, match="nan"):
-        validate_baseline(float("nan"))
+        optional_positive_number("baseline_samples_per_sec", float("nan"))
     with pytest.raises(TypeError):
-        validate_baseline(False)
+        optional_positive_number("baseline_samples_per_sec", False)
 
 
 def test_module_does_not_import_a_framework():
@@ -393,8 +394,9 @@ def test_per_worker_figure_only_in_multi_worker_runs():
 
     now = [0.0]
     for workers, expected in ((1, None), (4, 256.0)):
-        meter = ThroughputMeter(64, num_replicas=8, warmup_steps=0, num_workers=workers,
-                                clock=lambda: now[0])
+        meter = ThroughputMeter(
+            64, num_replicas=8, warmup_steps=0, num_workers=workers, clock=lambda: now[0]
+        )
         meter.start()
         meter.start_epoch()
         now[0] += 1.0

@@ -15,19 +15,18 @@ from typing import Any
 import keras
 
 from keras_mirror_kit.callbacks.progress import steps_done
-from keras_mirror_kit.devices.peaks import resolve_peak, validate_peak_flops
+from keras_mirror_kit.devices.peaks import resolve_peak
 from keras_mirror_kit.distribution import is_chief
 from keras_mirror_kit.flops import (
     count_training_flops,
     model_compute_dtype,
-    validate_flops_per_sample,
 )
 from keras_mirror_kit.model_setup import batch_plan, check_callback_model
 from keras_mirror_kit.throughput import (
+    BASELINE_MEANING,
     ThroughputMeter,
-    validate_baseline,
 )
-from keras_mirror_kit.validation import non_negative_int, positive_int
+from keras_mirror_kit.validation import non_negative_int, optional_positive_number, positive_int
 
 __all__ = ["ThroughputMonitor"]
 
@@ -172,9 +171,15 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._num_replicas = num_replicas
         self._warmup_steps = warmup_steps
         self._log_every_n_steps = log_every_n_steps
-        self._baseline = validate_baseline(baseline_samples_per_sec)
-        self._flops_per_sample = validate_flops_per_sample(flops_per_sample)
-        self._peak_flops = validate_peak_flops(peak_flops)
+        self._baseline = optional_positive_number(
+            "baseline_samples_per_sec", baseline_samples_per_sec, BASELINE_MEANING
+        )
+        self._flops_per_sample = optional_positive_number(
+            "flops_per_sample", flops_per_sample, "FLOPs of one training sample"
+        )
+        self._peak_flops = optional_positive_number(
+            "peak_flops", peak_flops, "the peak FLOP/s of one device"
+        )
         self._flops_pending = False  # the FLOPs are still to be counted (model not built)
         self._workers = 1
         self._flops_told: set[str] = set()  # the one-line notices already logged

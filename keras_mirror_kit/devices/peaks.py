@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from keras_mirror_kit.atomic_files import atomic_write_bytes
-from keras_mirror_kit.validation import positive_int, positive_number
+from keras_mirror_kit.validation import positive_int
 
 __all__ = [
     "COMPUTE_DTYPES",
@@ -48,7 +48,6 @@ __all__ = [
     "resolve_peak",
     "roof_path",
     "store_roof",
-    "validate_peak_flops",
 ]
 
 logger = logging.getLogger("keras_mirror_kit")
@@ -267,30 +266,6 @@ GPU_PEAKS: tuple[GpuPeak, ...] = (
         "Data-Center/tesla-t4/t4-tensor-core-datasheet-951643.pdf",
     ),
 )
-
-
-def validate_peak_flops(value: object) -> float | None:
-    """Checks a `peak_flops` argument: None, or a positive finite number of FLOP/s.
-
-    Args:
-        value: The value to check.
-
-    Returns:
-        `value` as a float, or None.
-
-    Raises:
-        TypeError: If `value` is not a real number (bools are rejected).
-        ValueError: If `value` is zero, negative, NaN or infinite.
-
-    Example:
-
-    ```python
-    validate_peak_flops(312e12)   # one A100 in bfloat16
-    ```
-    """
-    if value is None:
-        return None
-    return positive_number("peak_flops", value, "the peak FLOP/s of one device")
 
 
 def _normalize(name: str) -> str:
