@@ -29,6 +29,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
+from keras_mirror_kit.checkpoint_lock import LOCK_FILE
 from keras_mirror_kit.distribution import Distribution
 from tests.subproc import REPO, last_json, run_python
 
@@ -235,11 +236,12 @@ class SeesCheckpoints(keras.callbacks.Callback):
 
 
 def uploadable(directory: Path) -> dict[str, str]:
-    """The files an upload of `directory` should hold (no hidden, no `*.tmp`), with MD5s."""
+    """The files an upload of `directory` should hold (no hidden, no `*.tmp`, no lock), with
+    MD5s."""
     found = {}
     for path in sorted(directory.rglob("*")):
         rel = path.relative_to(directory)
-        if path.is_file() and not path.name.endswith(".tmp"):
+        if path.is_file() and not path.name.endswith(".tmp") and path.name != LOCK_FILE:
             if not any(part.startswith(".") for part in rel.parts):
                 found[rel.as_posix()] = md5_file_b64(str(path))
     return found

@@ -32,7 +32,8 @@ from keras_mirror_kit.multi_worker import launch
 from tests.processes import alive, assert_none_left, kill
 
 REPO = Path(__file__).resolve().parent.parent
-LAUNCHER = REPO / "keras_mirror_kit" / "launch.py"  # runs alone: standard library only
+# Runs alone: the standard library and the import-free keras_mirror_kit.multi_worker.
+LAUNCHER = REPO / "keras_mirror_kit" / "multi_worker" / "launch.py"
 HANG_S = 120
 
 # Every worker records its pid (and its helper's) in pids-<rank>.json. A worker that

@@ -215,8 +215,8 @@ def test_devices_under_a_multi_worker_strategy_is_an_error_not_ignored(monkeypat
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
-        cluster = {"worker": [f"127.0.0.1:{holder.getsockname()[1]}", "127.0.0.1:1"]}
-        monkeypatch.setenv("TF_CONFIG", _cfg(cluster, {"type": "worker", "index": 0}))
+        spec = {"worker": [f"127.0.0.1:{holder.getsockname()[1]}", "127.0.0.1:1"]}
+        monkeypatch.setenv("TF_CONFIG", _cfg(spec, {"type": "worker", "index": 0}))
         config = kmk.distributed(global_batch_size=8, devices=["/cpu:0"], strategy=strategy)
         with pytest.raises(ValueError) as info:
             config.distribution  # noqa: B018
@@ -279,8 +279,8 @@ def test_port_already_in_use_is_refused_instead_of_hanging(monkeypatch):
         holder.listen()
         port = holder.getsockname()[1]
         other = launch.free_ports(1)[0]
-        cluster = {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{other}"]}
-        monkeypatch.setenv("TF_CONFIG", _cfg(cluster, {"type": "worker", "index": 0}))
+        spec = {"worker": [f"127.0.0.1:{port}", f"127.0.0.1:{other}"]}
+        monkeypatch.setenv("TF_CONFIG", _cfg(spec, {"type": "worker", "index": 0}))
         with pytest.raises(ValueError, match=f"port {port} is already in use"):
             cluster.create_strategy()
 
@@ -596,11 +596,12 @@ def _ignore_sigint() -> None:
 
 @pytest.mark.parametrize("inherited", ["default", "ignored"])
 def test_launch_forwards_ctrl_c(script, tmp_path, inherited):
-    # The launcher file runs alone (it imports only the standard library). "ignored": a shell
+    # The launcher file runs alone (the standard library and the import-free
+    # keras_mirror_kit.multi_worker package, no TensorFlow). "ignored": a shell
     # starts background jobs with SIGINT ignored; a SIGINT sent to the launcher still counts.
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "keras_mirror_kit" / "launch.py"), "-n", "2", "--grace",
-         "1", str(script), str(tmp_path), "hang"],
+        [sys.executable, str(REPO / "keras_mirror_kit" / "multi_worker" / "launch.py"), "-n",
+         "2", "--grace", "1", str(script), str(tmp_path), "hang"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -889,10 +890,10 @@ def _run_cluster(out: Path, tf_configs: list[str], *child_args: str, timeout: fl
 def test_chief_job_shape_and_keras_still_needs_the_workaround(tmp_path):
     """With a `chief` job, worker 0 is not the chief. Keras unpatched still fails."""
     chief_port, worker_port = launch.free_ports(2)
-    cluster = {"chief": [f"127.0.0.1:{chief_port}"], "worker": [f"127.0.0.1:{worker_port}"]}
+    spec = {"chief": [f"127.0.0.1:{chief_port}"], "worker": [f"127.0.0.1:{worker_port}"]}
     configs = [
-        _cfg(cluster, {"type": "chief", "index": 0}),
-        _cfg(cluster, {"type": "worker", "index": 0}),
+        _cfg(spec, {"type": "chief", "index": 0}),
+        _cfg(spec, {"type": "worker", "index": 0}),
     ]
     _run_cluster(tmp_path, configs, "--probe-upstream")
     chief, worker = _results(tmp_path)
