@@ -6,6 +6,7 @@ background write: tests/test_checkpoint_crash.py (both modes)."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 import keras
@@ -148,3 +149,24 @@ def test_a_failed_last_background_write_is_raised_at_the_end_of_fit(tmp_path):
 def test_async_save_must_be_a_bool(tmp_path):
     with pytest.raises(TypeError, match="`async_save` must be True or False"):
         SyncedCheckpoint(tmp_path, async_save="yes")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_writer_thread_yields_the_cpu_to_training():
+    from keras_mirror_kit.callbacks.synced_checkpoint.background import (
+        WRITER_NICE,
+        BackgroundWriter,
+    )
+
+    seen = {}
+
+    def write():
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    writer = BackgroundWriter()
+    writer.submit(write)
+    writer.wait()
+    assert seen["nice"] == WRITER_NICE == 19
+    # Only the writer thread: the training thread keeps its priority.
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before

@@ -5,14 +5,34 @@ loop goes on while the file is written; the next save, the end of `fit` and
 `SyncedCheckpoint.wait_for_pending_save()` wait for it, and its error (a
 `CheckpointWriteError` for a full disk) is raised there or at the next training step.
 The thread is not a daemon: a process that ends while a write runs lets it finish.
+
+On Linux the writer thread lowers its own scheduling priority (`nice` 19, this thread
+only): copying, hashing and writing the state then uses CPU time training leaves idle
+instead of taking it from training's threads, which matters where training itself runs on
+the CPU (on a GPU host the writer mostly waits for the disk). The write still finishes
+before the next save or the end of `fit`, which wait for it.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from collections.abc import Callable
 
-__all__ = ["BackgroundWriter"]
+__all__ = ["WRITER_NICE", "BackgroundWriter"]
+
+#: The `nice` value of the writer thread on Linux (the lowest scheduling priority).
+WRITER_NICE = 19
+
+
+def _lower_this_threads_priority() -> None:
+    """Gives the calling thread the lowest scheduling priority (Linux: per thread)."""
+    if sys.platform.startswith("linux") and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except OSError:  # not permitted here: the write runs at normal priority
+            pass
 
 
 class BackgroundWriter:
@@ -60,6 +80,7 @@ class BackgroundWriter:
 
         def run() -> None:
             try:
+                _lower_this_threads_priority()
                 write()
             except BaseException as err:  # handed to the training thread
                 self._error = err
