@@ -34,10 +34,7 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
         SyncedCheckpoint,
         ThroughputMonitor,
     )
-    from keras_mirror_kit.callbacks.synced_checkpoint.preemption import (
-        PREEMPTED_EXIT_CODE,
-        Preempted,
-    )
+    from keras_mirror_kit.callbacks.synced_checkpoint.preemption import Preempted
     from keras_mirror_kit.callbacks.synced_checkpoint.restore import restore
     from keras_mirror_kit.checkpoint_lock import CheckpointLockedError, StaleLockWarning
     from keras_mirror_kit.checkpoint_store import (
@@ -57,6 +54,7 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
     from keras_mirror_kit.distribution import Distribution, current, distribution_of
     from keras_mirror_kit.flops import count_training_flops
     from keras_mirror_kit.lr_scaling import scale_learning_rate
+    from keras_mirror_kit.multi_worker import PREEMPTED_EXIT_CODE
     from keras_mirror_kit.schedules import WarmupSchedule
     from keras_mirror_kit.throughput import ThroughputMeter
 
@@ -93,7 +91,7 @@ _LAZY: dict[str, str] = {
     "CheckpointLockedError": "keras_mirror_kit.checkpoint_lock",
     "StaleLockWarning": "keras_mirror_kit.checkpoint_lock",
     "Preempted": "keras_mirror_kit.callbacks.synced_checkpoint.preemption",
-    "PREEMPTED_EXIT_CODE": "keras_mirror_kit.callbacks.synced_checkpoint.preemption",
+    "PREEMPTED_EXIT_CODE": "keras_mirror_kit.multi_worker",
     "count_training_flops": "keras_mirror_kit.flops",
 }
 

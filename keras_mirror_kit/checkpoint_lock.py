@@ -136,11 +136,6 @@ class DirectoryLock:
         self.path = self.directory / LOCK_FILE
         self._token: str | None = None
 
-    @property
-    def held(self) -> bool:
-        """Whether this object holds the lock now."""
-        return self._token is not None
-
     def _key(self) -> str:
         return os.path.realpath(self.path)
 
@@ -166,17 +161,7 @@ class DirectoryLock:
         owner = DirectoryLock("ckpts").read()
         ```
         """
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return None
-        except OSError:
-            return {}
-        try:
-            record = json.loads(text)
-        except ValueError:
-            return {}
-        return record if isinstance(record, dict) else {}
+        return _read_record(self.path)
 
     def acquire(self) -> None:
         """Takes the lock, taking over a stale one with a `StaleLockWarning`.
@@ -338,11 +323,8 @@ class DirectoryLock:
                 f"({err.strerror or err}). Fix the directory's permissions, or delete the "
                 f"lock file yourself. Received: directory={str(self.directory)!r}"
             ) from err
-        try:
-            moved = json.loads(aside.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            moved = {}
-        if isinstance(moved, dict) and moved.get("token") == seen.get("token"):
+        moved = _read_record(aside) or {}
+        if moved.get("token") == seen.get("token"):
             aside.unlink(missing_ok=True)
             return True
         # Another process replaced the stale lock first: put its fresh lock back.
@@ -367,13 +349,25 @@ class DirectoryLock:
         )
 
 
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """A lock file's record: None when there is no file, `{}` when it is unreadable."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return {}
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def _remove_if_token(path: Path, token: str) -> None:
     """Deletes the lock file when it still holds `token` (never another run's lock)."""
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    if isinstance(record, dict) and record.get("token") == token:
+    record = _read_record(path)
+    if record and record.get("token") == token:
         try:
             path.unlink()
         except OSError:

@@ -51,6 +51,7 @@ __all__ = [
     "CorruptCheckpointWarning",
     "LoadedCheckpoint",
     "best_entries",
+    "check_keep_best",
 ]
 
 logger = logging.getLogger("keras_mirror_kit")
@@ -198,21 +199,18 @@ class LoadedCheckpoint:
 
     Args:
         path: The file it came from.
-        arrays: Its arrays by name (a `CheckpointArrays` when read by a `CheckpointStore`).
+        arrays: Its arrays by name, each read from the file when asked for.
         meta: Its metadata.
     """
 
     path: Path
-    arrays: Mapping[str, np.ndarray]
+    arrays: CheckpointArrays
     meta: dict[str, Any]
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """The shape of each array by name, without reading the arrays."""
-        shapes = getattr(self.arrays, "shapes", None)
-        if shapes is not None:
-            return dict(shapes)
-        return {key: tuple(np.shape(value)) for key, value in self.arrays.items()}
+        return dict(self.arrays.shapes)
 
 
 class _HashingWriter:
@@ -341,6 +339,32 @@ def best_entries(entries: Iterable[Mapping[str, Any]], monitor: str) -> list[dic
     )
 
 
+def check_keep_best(keep_best: object) -> int:
+    """Checks `keep_best`: how many best checkpoints to keep beyond the newest (0: none).
+
+    Args:
+        keep_best: The value to check.
+
+    Returns:
+        `keep_best`.
+
+    Raises:
+        ValueError: If it is not an integer >= 0.
+
+    Example:
+
+    ```python
+    check_keep_best(2)  # -> 2
+    ```
+    """
+    if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
+        raise ValueError(
+            "`keep_best` must be a non-negative integer (0: keep no best checkpoints beyond "
+            f"the newest). Received: keep_best={keep_best!r}"
+        )
+    return keep_best
+
+
 class CheckpointStore:
     """A directory of numbered, verified `.npz` checkpoints with a manifest.
 
@@ -374,11 +398,7 @@ class CheckpointStore:
         if isinstance(keep, bool) or not isinstance(keep, int):
             raise ValueError(f"`keep` must be a positive integer. Received: keep={keep!r}")
         positive_int("keep", keep)
-        if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
-            raise ValueError(
-                "`keep_best` must be a non-negative integer (0: keep no best checkpoints "
-                f"beyond the newest). Received: keep_best={keep_best!r}"
-            )
+        check_keep_best(keep_best)
         self.directory = Path(directory)
         self.keep = keep
         self.keep_best = keep_best

@@ -196,8 +196,9 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
                     f"Received: steps_per_execution={steps_per_execution!r}"
                 )
             positive_int("steps_per_execution", steps_per_execution)
-        positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
-        self._accumulation = int(gradient_accumulation_steps)
+        self._accumulation = positive_int(
+            "gradient_accumulation_steps", gradient_accumulation_steps
+        )
         self._options = ModelOptions(
             mixed_precision=validate_policy(mixed_precision),
             sync_batch_norm=sync_batch_norm,

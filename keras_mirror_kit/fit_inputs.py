@@ -43,23 +43,6 @@ __all__ = [
 ]
 
 _BATCHING = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
-# Transformations whose elements are the batches of their input, unchanged in size.
-_KEEPS_BATCH = (
-    "_MapDataset",
-    "_ParallelMapDataset",
-    "_PrefetchDataset",
-    "CacheDataset",
-    "_CacheDataset",
-    "_RepeatDataset",
-    "_TakeDataset",
-    "_SkipDataset",
-    "_ShuffleDataset",
-    "_FilterDataset",
-    "_OptionsDataset",
-    "_AssertCardinalityDataset",
-    "_MaxIntraOpParallelismDataset",
-    "_PrivateThreadPoolDataset",
-)
 # Transformations whose epoch holds exactly the samples of their input's epoch.
 _KEEPS_EPOCH = (
     "_MapDataset",
@@ -70,6 +53,16 @@ _KEEPS_EPOCH = (
     "_OptionsDataset",
     "_MaxIntraOpParallelismDataset",
     "_PrivateThreadPoolDataset",
+)
+# Transformations whose elements are the batches of their input, unchanged in size.
+_KEEPS_BATCH = (
+    *_KEEPS_EPOCH,
+    "_RepeatDataset",
+    "_TakeDataset",
+    "_SkipDataset",
+    "_ShuffleDataset",
+    "_FilterDataset",
+    "_AssertCardinalityDataset",
 )
 
 

@@ -379,6 +379,12 @@ class ThroughputMonitor(keras.callbacks.Callback):
             meter.start_epoch()
             self._fast = not meter.in_warmup
 
+    def _with_updates(self, figures: dict[str, float] | None) -> dict[str, float] | None:
+        """Adds `updates_per_sec` under gradient accumulation (N micro-batches per update)."""
+        if figures is not None and self._accumulation > 1:
+            figures["updates_per_sec"] = figures["steps_per_sec"] / self._accumulation
+        return figures
+
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         """Counts the steps done; every `log_every_n_steps` steps adds figures to `logs`."""
         if self._fast:
@@ -427,9 +433,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
         every = self._log_every_n_steps
         if every is not None:
             if logs is not None and self._steps_in_fit // every > before // every:
-                figures = meter.interval_figures()
-                if figures is not None and self._accumulation > 1:
-                    figures["updates_per_sec"] = figures["steps_per_sec"] / self._accumulation
+                figures = self._with_updates(meter.interval_figures())
                 if figures is not None:
                     logs.update(figures)
                     self._last = figures
@@ -464,9 +468,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._meter.stop()
         if self._flops_pending:
             self._set_flops()
-        figures = None if self._epoch_pending else self._meter.epoch_figures()
-        if figures is not None and self._accumulation > 1:
-            figures["updates_per_sec"] = figures["steps_per_sec"] / self._accumulation
+        figures = None if self._epoch_pending else self._with_updates(self._meter.epoch_figures())
         self._epoch_pending = False
         if figures is None:
             logger.debug(

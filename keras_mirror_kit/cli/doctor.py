@@ -157,14 +157,6 @@ def _range_text(bounds: tuple[tuple[int, int], tuple[int, int]]) -> str:
     return f">={a}.{b},<{c}.{d}"
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) if piece else ""
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
 def _environment() -> dict[str, str]:
     names = [n for n in ENV_VARS if n in os.environ]
     names += sorted(n for n in os.environ if n.startswith("NCCL_"))
@@ -173,13 +165,15 @@ def _environment() -> dict[str, str]:
 
 def _import_frameworks(check: Any) -> tuple[Any, Any]:
     """Imports TensorFlow and Keras, checking their versions; None for one that fails."""
+    from keras_mirror_kit.workarounds import parse_version
+
     try:
         import tensorflow as tf
     except Exception as err:  # ImportError, or a broken CUDA install raising at import
         check("tensorflow", "fail", f"cannot import TensorFlow: {type(err).__name__}: {err}")
         tf = None
     else:
-        ok = _in_range(_version_tuple(tf.__version__), SUPPORTED_TENSORFLOW)
+        ok = _in_range(parse_version(tf.__version__), SUPPORTED_TENSORFLOW)
         check(
             "tensorflow",
             "ok" if ok else "fail",
@@ -190,7 +184,7 @@ def _import_frameworks(check: Any) -> tuple[Any, Any]:
     except Exception as err:
         check("keras", "fail", f"cannot import Keras: {type(err).__name__}: {err}")
         return tf, None
-    ok = _in_range(_version_tuple(keras.__version__), SUPPORTED_KERAS)
+    ok = _in_range(parse_version(keras.__version__), SUPPORTED_KERAS)
     check(
         "keras",
         "ok" if ok else "fail",

@@ -26,9 +26,7 @@ import ipaddress
 import json
 import logging
 import os
-import shutil
 import socket
-import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +34,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_mirror_kit.multi_worker import READY_FILE_ENV
+from keras_mirror_kit.multi_worker import GPU_ENV, READY_FILE_ENV, visible_gpus
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_ENV",
@@ -329,31 +327,6 @@ def _slurm_port_base(environ: Mapping[str, str]) -> int:
     return 20000 + (int(job) % 5000) * 8 if job.isdigit() else 8888
 
 
-def _count_visible_devices(value: str) -> int:
-    """GPUs in CUDA_VISIBLE_DEVICES as CUDA reads it (up to an empty or negative entry)."""
-    count = 0
-    for entry in (part.strip() for part in value.split(",")):
-        if not entry or entry.startswith("-"):
-            break
-        count += 1
-    return count
-
-
-def _count_node_gpus() -> int:
-    """The `GPU <i>:` lines of `nvidia-smi -L`; 0 without it or when it fails."""
-    program = shutil.which("nvidia-smi")
-    if program is None:
-        return 0
-    try:
-        listing = subprocess.run(
-            [program, "-L"], capture_output=True, text=True, timeout=30, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    lines = listing.stdout.splitlines() if listing.returncode == 0 else []
-    return sum(1 for line in lines if line.startswith("GPU ") and ":" in line)
-
-
 def slurm_cluster_resolver(environ: Mapping[str, str] | None = None) -> Any:
     """TensorFlow's `SlurmClusterResolver` for this task, keeping Slurm's GPU allocation.
 
@@ -394,16 +367,14 @@ def slurm_cluster_resolver(environ: Mapping[str, str] | None = None) -> Any:
     per_node = slurm.expand_tasks_per_node(environ["SLURM_STEP_TASKS_PER_NODE"])
     max_tasks = max(per_node)
     port_base = _slurm_port_base(environ)
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    node_gpus = _count_node_gpus() if visible is None else 0
-    if visible is None and node_gpus >= max_tasks:  # the node's GPUs, split by TensorFlow
+    allocated = GPU_ENV in environ  # by Slurm for this task; else the node's (nvidia-smi)
+    gpus = len(visible_gpus(environ))
+    if not allocated and gpus >= max_tasks:  # the node's GPUs, split by TensorFlow
         return slurm.SlurmClusterResolver(
-            port_base=port_base, gpus_per_node=node_gpus, gpus_per_task=node_gpus // max_tasks
+            port_base=port_base, gpus_per_node=gpus, gpus_per_task=gpus // max_tasks
         )
     # Slurm's allocation for this task, left as it is (none: -1, or no GPU on the node).
-    return _SlurmTaskResolver(
-        0 if visible is None else _count_visible_devices(visible), max_tasks, port_base
-    )
+    return _SlurmTaskResolver(gpus if allocated else 0, max_tasks, port_base)
 
 
 class _SlurmTaskResolver(tf.distribute.cluster_resolver.SlurmClusterResolver):

@@ -85,7 +85,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from keras_mirror_kit.multi_worker import READY_FILE_ENV
+from keras_mirror_kit.multi_worker import (
+    GPU_ENV,
+    PREEMPTED_EXIT_CODE,
+    READY_FILE_ENV,
+    visible_gpus,
+)
 
 __all__ = [
     "LaunchError",
@@ -102,17 +107,11 @@ PROG = "keras-mirror-kit launch"
 RANK_ENV = "KMK_LAUNCH_RANK"
 WORLD_SIZE_ENV = "KMK_LAUNCH_WORLD_SIZE"
 RESTART_ENV = "KMK_LAUNCH_RESTART_COUNT"  # 0 in the first attempt, then 1, 2, ...
-# A worker's status after it saved on a stop signal (SyncedCheckpoint): its peers saved at
-# the same step and are exiting too. keras_mirror_kit.callbacks.synced_checkpoint.
-# preemption.PREEMPTED_EXIT_CODE (this module imports nothing of the kit).
-PREEMPTED_EXIT_CODE = 75
-GPU_ENV = "CUDA_VISIBLE_DEVICES"
 MEMORY_GROWTH_ENV = "TF_FORCE_GPU_ALLOW_GROWTH"  # read by TensorFlow's GPU allocator
 EXIT_FAILED = 1  # a worker left early (exited with status 0 while the others ran)
 EXIT_TIMEOUT = 124
 EXIT_USAGE = 2
 FINISH_WINDOW_S = 30.0
-NVIDIA_SMI_TIMEOUT_S = 30.0
 # For tests and debugging only: "1" turns off the parent-death signal / the watchdog.
 NO_PDEATHSIG_ENV = "KMK_LAUNCH_NO_PDEATHSIG"
 NO_WATCHDOG_ENV = "KMK_LAUNCH_NO_WATCHDOG"
@@ -192,69 +191,6 @@ def tf_config_for(ports: Sequence[int], index: int, host: str = "127.0.0.1") -> 
         )
     cluster = {"worker": [f"{host}:{port}" for port in ports]}
     return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
-
-
-def _parse_visible_devices(value: str) -> list[str]:
-    """CUDA's reading of CUDA_VISIBLE_DEVICES: the entries before an empty or negative one."""
-    gpus: list[str] = []
-    for entry in (part.strip() for part in value.split(",")):
-        if not entry or entry.startswith("-"):
-            break
-        gpus.append(entry)
-    return gpus
-
-
-def visible_gpus(
-    environ: Mapping[str, str] | None = None, nvidia_smi: str | None = "nvidia-smi"
-) -> list[str]:
-    """The GPUs the launcher can hand out, as `CUDA_VISIBLE_DEVICES` entries.
-
-    When `CUDA_VISIBLE_DEVICES` is set, its entries, read as CUDA reads them (up to the
-    first empty or negative entry, so `-1` and `""` mean no GPU; indexes and `GPU-...`
-    UUIDs are kept as written). Otherwise the `GPU <i>:` lines of `nvidia-smi -L`, as
-    indexes `"0"`, `"1"`, ...; no GPU when `nvidia-smi` is missing or fails. TensorFlow
-    is not imported.
-
-    Args:
-        environ: The environment to read (default: `os.environ`).
-        nvidia_smi: The `nvidia-smi` program (a name on `PATH` or a path), or None to
-            consult only `CUDA_VISIBLE_DEVICES`.
-
-    Returns:
-        The GPU entries, possibly empty.
-
-    Example:
-
-    ```python
-    visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"})   # ["2", "3"]
-    visible_gpus({}, nvidia_smi=None)                # []
-    ```
-    """
-    environ = os.environ if environ is None else environ
-    if GPU_ENV in environ:
-        return _parse_visible_devices(environ[GPU_ENV])
-    program = shutil.which(nvidia_smi) if nvidia_smi else None
-    if program is None:
-        return []
-    try:
-        listing = subprocess.run(
-            [program, "-L"],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=NVIDIA_SMI_TIMEOUT_S,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return []
-    if listing.returncode != 0:
-        return []
-    gpus = []
-    for line in listing.stdout.splitlines():
-        head = line.split(":", 1)[0].split()
-        if len(head) == 2 and head[0] == "GPU" and head[1].isdigit():
-            gpus.append(head[1])
-    return gpus
 
 
 def assign_gpus(

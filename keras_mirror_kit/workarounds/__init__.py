@@ -35,10 +35,27 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["keras_version_in"]
+__all__ = ["keras_version_in", "parse_version"]
 
 
-def _parse_version(text: str) -> tuple[int, int, int]:
+def parse_version(text: str) -> tuple[int, int, int]:
+    """The first three numbers of a version string, zero-filled.
+
+    Args:
+        text: A version such as `"3.15.1"` or `"2.21.0rc1"`.
+
+    Returns:
+        `(major, minor, patch)`.
+
+    Raises:
+        Nothing: missing parts count as 0.
+
+    Example:
+
+    ```python
+    parse_version("2.21.0rc1")  # (2, 21, 0)
+    ```
+    """
     numbers = [int(part) for part in re.findall(r"\d+", text)[:3]]
     return tuple((numbers + [0, 0, 0])[:3])  # type: ignore[return-value]
 
@@ -69,4 +86,4 @@ def keras_version_in(
 
         keras_version = keras.__version__
     low, high = tested
-    return low <= _parse_version(keras_version) < high
+    return low <= parse_version(keras_version) < high

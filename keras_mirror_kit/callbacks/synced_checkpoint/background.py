@@ -57,12 +57,11 @@ class BackgroundWriter:
         """Whether a write was submitted and not yet waited for."""
         return self._thread is not None
 
-    def submit(self, write: Callable[[], object], name: str = "kmk-checkpoint-writer") -> None:
+    def submit(self, write: Callable[[], object]) -> None:
         """Waits for the previous write, then starts `write` in a new thread.
 
         Args:
             write: The write to run.
-            name: The thread's name.
 
         Returns:
             None.
@@ -85,7 +84,7 @@ class BackgroundWriter:
             except BaseException as err:  # handed to the training thread
                 self._error = err
 
-        self._thread = threading.Thread(target=run, name=name, daemon=False)
+        self._thread = threading.Thread(target=run, name="kmk-checkpoint-writer", daemon=False)
         self._thread.start()
 
     def wait(self) -> None:

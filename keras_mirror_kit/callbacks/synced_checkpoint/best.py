@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from keras_mirror_kit.checkpoint_store import check_keep_best
+
 __all__ = ["BestKeeper", "validate_best_args"]
 
 logger = logging.getLogger("keras_mirror_kit")
@@ -42,11 +44,7 @@ def validate_best_args(monitor: Any, mode: Any, keep_best: Any) -> None:
     validate_best_args("val_loss", "auto", 2)
     ```
     """
-    if isinstance(keep_best, bool) or not isinstance(keep_best, int) or keep_best < 0:
-        raise ValueError(
-            "`keep_best` must be a non-negative integer (0: keep no best checkpoints beyond "
-            f"the newest). Received: keep_best={keep_best!r}"
-        )
+    check_keep_best(keep_best)
     if not isinstance(monitor, str) or not monitor:
         raise TypeError(
             "`monitor` must be the non-empty name of a value in fit()'s logs, such as "

@@ -34,6 +34,8 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
+from keras_mirror_kit.multi_worker import PREEMPTED_EXIT_CODE
+
 __all__ = [
     "PREEMPTED_EXIT_CODE",
     "Preempted",
@@ -43,13 +45,6 @@ __all__ = [
 
 logger = logging.getLogger("keras_mirror_kit")
 
-PREEMPTED_EXIT_CODE = 75
-"""The exit status of a process whose `fit()` saved its state on a stop signal.
-
-`EX_TEMPFAIL` of `sysexits.h` ("a temporary failure; the user is invited to retry"):
-`keras-mirror-kit launch --max-restarts` and schedulers restart the job, which resumes from
-the checkpoint. `kmk.Preempted` is the `SystemExit` that carries it.
-"""
 _WAIT_MS = 600_000  # a peer's acknowledgment or end of fit() (a dead peer fails sooner)
 _STOP = "stop"  # the step key's value once a fit() ended without a stop
 _serial = [0]  # fit() with several workers in this process; the same on every worker
@@ -218,11 +213,6 @@ class PreemptionGuard:
         self._workers = 1
         self._cluster: _ClusterAgreement | None = None
         self._proposed = False
-
-    @property
-    def installed(self) -> bool:
-        """Whether this guard's handlers are installed now."""
-        return bool(self._previous)
 
     def start(self, model: Any) -> None:
         """Installs the handlers for a `fit()` of `model` (main thread only; else a warning).
