@@ -2,19 +2,27 @@
 
 This module knows nothing of Keras or TensorFlow: a checkpoint is a set of named NumPy
 arrays plus a JSON-able metadata dict, stored as one `.npz` file. The file is streamed: its
-arrays are written one at a time into the temporary file (hashed as they are written) and
+arrays are written one at a time into the temporary file (each with its zip CRC-32) and
 read back one at a time, so a save or a restore holds about one array in memory, never the
 whole state (files of 0.1.0, written in one piece, are the same `.npz` and read alike).
 The guarantees:
 
 * Every file is written atomically: to a hidden temporary file in the same directory,
   flushed and fsync'ed, moved into place with `os.replace`, then the directory is fsync'ed.
-* The manifest (`manifest.json`), which names the checkpoints and their SHA-256, is
-  replaced last, so a kill at any instant leaves the previous checkpoint loadable.
+* The manifest (`manifest.json`), which names the checkpoints with their size and
+  checksum, is replaced last, so a kill at any instant leaves the previous checkpoint loadable.
 * Each checkpoint file also carries its own metadata, so the directory can be read even
   without the manifest (what a lost manifest knew is rebuilt from the files before anything
-  is pruned); reading verifies the hash (and the zip CRCs), and a corrupt file is skipped
-  with a warning in favour of the previous good one.
+  is pruned); reading verifies the size, the checksum and every array's CRC-32, and a
+  corrupt file is skipped with a warning in favour of the previous good one.
+* The checksum (`crc32` in the manifest) is the CRC-32 of the zip's own records of its
+  members (name, CRC-32, sizes, offset, method, flags), in order: with the members' CRCs,
+  which every read checks, it detects any damage to the data or to the zip's directory
+  and any other file in its place (not timestamps or attributes, which change neither), at
+  about a third of the CPU time of a SHA-256 of the file (what a background save on a busy
+  CPU host must not take from training). Like TensorFlow's own checkpoints (a CRC-32C per
+  tensor), it guards against damage, not against deliberate tampering. Manifests of
+  keras-mirror-kit 0.1.0, which list a `sha256`, are verified by that hash.
 * Retention keeps the newest `keep` checkpoints and, beyond the newest, at least two older
   usable resume points (and the newest one whose values are all finite, and the newest
   finite one written at an epoch boundary), so a damaged newest checkpoint always leaves a
@@ -33,6 +41,7 @@ import re
 import warnings
 import weakref
 import zipfile
+import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +73,13 @@ _TMP_RE = re.compile(
     r"^\.(ckpt-\d{8}\.npz|manifest\.json|write-probe|writer\.lock)\.[0-9a-f]+\.tmp$"
 )
 _META_KEY = "__meta__"
-_CHUNK = 1 << 20  # bytes hashed per read when verifying a file
+# What zipfile raises on a damaged file: besides BadZipFile, a flipped bit in a member's
+# flags, method or version gives NotImplementedError, RuntimeError (encrypted) or zlib.error.
+_UNREADABLE = (
+    OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, NotImplementedError,
+    RuntimeError, zlib.error,
+)  # fmt: skip
+_CHUNK = 1 << 20  # bytes per read when verifying a file; bytes per write (x16)
 # Metadata repeated in the manifest's entries (retention and resume decide on them).
 _ENTRY_KEYS = (
     "epoch",
@@ -213,17 +228,15 @@ class LoadedCheckpoint:
         return dict(self.arrays.shapes)
 
 
-class _HashingWriter:
-    """A write-only, unseekable file that hashes and counts what it passes on to `handle`."""
+class _CountingWriter:
+    """A write-only, unseekable file that counts what it passes on to `handle`."""
 
     def __init__(self, handle: BinaryIO) -> None:
         self._handle = handle
-        self.sha256 = hashlib.sha256()
         self.size = 0
 
     def write(self, data: bytes | memoryview) -> int:
         self._handle.write(data)
-        self.sha256.update(data)
         size = memoryview(data).nbytes
         self.size += size
         return size
@@ -255,10 +268,10 @@ def _write_array(member: BinaryIO, value: Any) -> None:
 def _write_npz(
     handle: BinaryIO, arrays: Iterable[tuple[str, Any]], meta: Mapping[str, Any]
 ) -> tuple[str, int]:
-    """Streams `arrays` then the metadata into an `.npz` on `handle`: (SHA-256, size)."""
-    out = _HashingWriter(handle)
-    # An unseekable output: zipfile writes each member's sizes after its data, so nothing
-    # is rewritten and the hash taken on the way is the file's.
+    """Streams `arrays` then the metadata into an `.npz` on `handle`: (checksum, size)."""
+    out = _CountingWriter(handle)
+    # An unseekable output: zipfile writes each member's CRC and sizes after its data, so
+    # nothing is rewritten.
     with zipfile.ZipFile(out, mode="w", compression=zipfile.ZIP_STORED) as archive:  # type: ignore[arg-type]
         names: set[str] = set()
         for key, value in arrays:
@@ -271,7 +284,17 @@ def _write_npz(
         blob = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
         with archive.open(f"{_META_KEY}.npy", "w", force_zip64=True) as member:
             _write_array(member, blob)  # type: ignore[arg-type]
-    return out.sha256.hexdigest(), out.size
+    return _members_checksum(archive), out.size
+
+
+def _members_checksum(archive: zipfile.ZipFile) -> str:
+    """The CRC-32 (8 hex digits) of the members' records (name, CRC, sizes, layout), in order."""
+    record = "".join(
+        f"{i.filename}\t{i.CRC:08x}\t{i.file_size}\t{i.compress_size}\t{i.header_offset}\t"
+        f"{i.compress_type}\t{i.flag_bits}\t{i.extract_version}\n"
+        for i in archive.infolist()
+    )
+    return f"{zlib.crc32(record.encode('utf-8')):08x}"
 
 
 def _sha256_of(path: Path) -> str:
@@ -513,7 +536,8 @@ class CheckpointStore:
         """Lists known checkpoints, oldest first (from the manifest, plus unlisted files).
 
         Returns:
-            Dicts with at least `file` and `index`; manifest entries also carry `sha256`.
+            Dicts with at least `file` and `index`; manifest entries also carry `crc32`
+            (`sha256` for checkpoints written by 0.1.0).
 
         Example:
 
@@ -544,7 +568,7 @@ class CheckpointStore:
                 meta = _read_meta(archive)
             if meta.get("format") != FORMAT:
                 raise ValueError("not a keras-mirror-kit checkpoint")
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):
+        except _UNREADABLE:
             return {"unreadable": True}
         return {key: meta[key] for key in _ENTRY_KEYS if key in meta}
 
@@ -557,7 +581,7 @@ class CheckpointStore:
     ) -> Path:
         """Writes a new checkpoint, then the manifest, then prunes old checkpoints.
 
-        The arrays are streamed into the file one at a time (hashed on the way), so an
+        The arrays are streamed into the file one at a time (each with its CRC-32), so an
         iterable of `(name, array)` pairs that makes each array when asked (a generator)
         keeps about one array in memory, not the whole state.
 
@@ -587,10 +611,12 @@ class CheckpointStore:
         written: list[tuple[str, int]] = []
         path = self.directory / name
         try:
-            atomic_write(path, lambda handle: written.append(_write_npz(handle, pairs, meta)))
+            atomic_write(
+                path, lambda handle: written.append(_write_npz(handle, pairs, meta)), direct=True
+            )
             digest, size = written[0]
             entry = {key: meta[key] for key in _ENTRY_KEYS if key in meta}
-            entry.update(file=name, sha256=digest, size=size)
+            entry.update(file=name, crc32=digest, size=size)
             kept = self._retain([*entries, {"index": index, **entry}])
             manifest = {
                 "format": FORMAT,
@@ -648,9 +674,10 @@ class CheckpointStore:
     def read(self, entry: Mapping[str, Any]) -> LoadedCheckpoint:
         """Reads and verifies one checkpoint (its metadata; its arrays when asked for).
 
-        The file is checked against the manifest's size and SHA-256 (or, for a file the
-        manifest does not list, every member's CRC) reading it in chunks; the arrays are
-        then read one at a time from `LoadedCheckpoint.arrays`.
+        The file is checked against the manifest's size and checksum, and every member's
+        CRC-32 is checked (reading the file in chunks); the arrays are then read one at a
+        time from `LoadedCheckpoint.arrays`. A file the manifest does not list gets the
+        CRC check alone; one listed with a `sha256` (written by 0.1.0), that hash.
 
         Args:
             entry: An item of `entries()`.
@@ -659,7 +686,7 @@ class CheckpointStore:
             The loaded checkpoint.
 
         Raises:
-            ValueError: If the file is missing, truncated, fails its hash or zip CRC, or is
+            ValueError: If the file is missing, truncated, fails its checksum or zip CRC, or is
                 not a keras-mirror-kit checkpoint.
 
         Example:
@@ -679,7 +706,9 @@ class CheckpointStore:
             raise ValueError(f"cannot read {path.name}: {err.strerror or err}") from err
         try:
             with zipfile.ZipFile(path) as archive:
-                # Without a hash (a file the manifest does not list), check every CRC.
+                if "crc32" in entry and _members_checksum(archive) != entry["crc32"]:
+                    raise ValueError(f"{path.name} does not match its checksum in the manifest")
+                # Every member's CRC (already covered by a legacy SHA-256 of the file).
                 damaged = None if "sha256" in entry else archive.testzip()
                 if damaged is not None:
                     raise ValueError(f"member {damaged} fails its CRC")
@@ -689,7 +718,7 @@ class CheckpointStore:
                     for name in archive.namelist()
                     if name.endswith(".npy") and name != f"{_META_KEY}.npy"
                 }
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as err:
+        except _UNREADABLE as err:
             raise ValueError(f"{path.name} is not a readable checkpoint ({err})") from err
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path.name} is not a keras-mirror-kit checkpoint")

@@ -80,11 +80,11 @@ def main() -> int:
     saves: list[int] = []
     free_after_fill: list[int] = []  # free blocks once the disk was filled
 
-    def recording_write(path, write):
+    def recording_write(path, write, **options):
         writes.append(path.name)
         if len(writes) == args.pause_at:
             pause(path, write)
-        return real_write(path, write)
+        return real_write(path, write, **options)
 
     def recording_store_write(self, arrays, meta, *more, **options):
         saves.append(int(meta["global_step"]))  # the step the state was read at

@@ -55,7 +55,7 @@ def test_background_writes_hold_the_state_of_their_step_while_training_goes_on(
     started: list[tuple[str, int]] = []
     active: list[int] = []
 
-    def write_after_one_more_step(path, write):
+    def write_after_one_more_step(path, write, **options):
         if path.name.startswith("ckpt-"):
             with steps.changed:
                 target = steps.done + 1
@@ -64,7 +64,7 @@ def test_background_writes_hold_the_state_of_their_step_while_training_goes_on(
             active.append(1)
             assert len(active) == 1, "two checkpoint writes at once"
         try:
-            return real_write(path, write)
+            return real_write(path, write, **options)
         finally:
             if path.name.startswith("ckpt-"):
                 active.pop()
@@ -170,3 +170,61 @@ def test_the_writer_thread_yields_the_cpu_to_training():
     assert seen["nice"] == WRITER_NICE == 19
     # Only the writer thread: the training thread keeps its priority.
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_snapshots_are_copied_into_staging_arrays_allocated_once_per_fit(tmp_path):
+    """One host copy of the state, allocated at the start of fit, reused by every save (no
+    fresh memory at a save), freed when fit returns; each file holds its own step's state."""
+    from keras_mirror_kit.callbacks.synced_checkpoint.state import state_variables
+
+    model, ds = build("adam"), dataset()
+    checkpoint = SyncedCheckpoint(tmp_path, save_freq=2, keep=100, dataset=ds, async_save=True)
+    seen: list[tuple[int, list]] = []
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            staging = checkpoint._staging  # noqa: SLF001
+            seen.append((staging.nbytes, list(staging._arrays)))  # noqa: SLF001
+
+    model.fit(ds, epochs=2, verbose=0, callbacks=[checkpoint, Watch()])
+    state = sum(v.numpy().nbytes for _, v in state_variables(model))
+    assert {nbytes for nbytes, _ in seen} == {state}  # from the first step on, never more
+    first = seen[0][1]  # the same array objects at every step, every save included
+    assert all(len(a) == len(first) and all(x is y for x, y in zip(a, first)) for _, a in seen)
+    assert checkpoint._staging.nbytes == 0  # noqa: SLF001  (freed after fit)
+    store = CheckpointStore(tmp_path)
+    steps = [store.read(e).meta["global_step"] for e in store.entries()]
+    assert len(steps) >= 4 and steps == sorted(set(steps))  # distinct states, in order
+    _, last = _arrays(store, store.entries()[-1])
+    assert max_diff(last, [v.numpy() for _, v in state_variables(model)]) == 0.0
+
+
+def test_host_staging_reuses_its_arrays_and_follows_shape_changes():
+    import numpy as np
+    import tensorflow as tf
+
+    from keras_mirror_kit.callbacks.synced_checkpoint.snapshot import HostStaging
+
+    staging = HostStaging()
+    variables = [("model", keras.Variable(np.ones((3, 4), "float32"))),
+                 ("model", keras.Variable(np.zeros(5, "int64")))]  # fmt: skip
+    staging.prepare(variables)
+    assert staging.nbytes == 3 * 4 * 4 + 5 * 8
+    first = staging.copy(0, tf.fill((3, 4), 2.0))
+    assert staging.copy(0, tf.fill((3, 4), 3.0)) is first and float(first[0, 0]) == 3.0
+    wider = staging.copy(0, tf.fill((3, 6), 1.0))  # a variable whose shape changed
+    assert wider is not first and wider.shape == (3, 6) and staging.nbytes == 72 + 40
+    odd = [("model", keras.Variable(np.ones((2, 3)), dtype="bfloat16")),
+           ("model", keras.Variable(np.float32(1.5))),
+           ("model", keras.Variable(np.zeros((0, 4), "float32")))]  # fmt: skip
+    staging.prepare(odd)
+    prepared = [staging._array(i, tuple(v.shape), v.value.dtype.as_numpy_dtype)  # noqa: SLF001
+                for i, (_, v) in enumerate(odd)]  # fmt: skip
+    for i, (_, v) in enumerate(odd):  # copy() finds the arrays prepare() made: no new ones
+        assert staging.copy(i, tf.convert_to_tensor(v.value)) is prepared[i]
+    assert float(prepared[0][0, 0]) == 1.0 and float(prepared[1]) == 1.5
+    staging.prepare(variables)
+    staging.prepare(variables[:1])  # fewer variables: the others' arrays go
+    assert staging.nbytes == 48
+    staging.release()
+    assert staging.nbytes == 0

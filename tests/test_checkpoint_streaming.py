@@ -71,13 +71,37 @@ def test_a_save_and_a_restore_hold_about_one_array_not_the_state(tmp_path):
     path = tmp_path / store.entries()[-1]["file"]
     with np.load(path, allow_pickle=False) as npz:
         assert npz["model/00003"][7] == 3 and len(npz.files) == ARRAYS + 1
-    raw = bytearray(path.read_bytes())
+    entry = store.entries()[-1]
+    assert set(entry) >= {"crc32", "size"} and "sha256" not in entry
+    good = path.read_bytes()
+    raw = bytearray(good)
     raw[len(raw) // 2] ^= 1  # one bit flipped inside an array
     path.write_bytes(bytes(raw))
-    with pytest.raises(ValueError, match="SHA-256"):
-        store.read(store.entries()[-1])
-    with pytest.raises(ValueError, match="CRC"):  # without the manifest's hash: the CRCs
+    with pytest.raises(ValueError, match="model/00008.npy fails its CRC"):
+        store.read(entry)
+    with pytest.raises(ValueError, match="CRC"):  # a file the manifest does not list
         store.read({"file": path.name})
+    # Another whole, valid checkpoint in its place (same size): the manifest's checksum.
+    other = CheckpointStore(tmp_path / "other")
+    other.prepare()
+    other.write(((k, v + 1) for k, v in _state()), {"epoch": 1, "step": 0})
+    path.write_bytes((tmp_path / "other" / other.entries()[-1]["file"]).read_bytes())
+    assert path.stat().st_size == entry["size"]
+    with pytest.raises(ValueError, match="does not match its checksum in the manifest"):
+        store.read(entry)
+    # One flipped bit in the zip's own directory (the first member's flags: "encrypted";
+    # its method: "deflated"; its version needed): a ValueError, so a resume falls back.
+    central = good.index(b"PK\x01\x02")
+    for offset, bit in ((8, 0x01), (10, 0x08), (6, 0x40)):
+        raw = bytearray(good)
+        raw[central + offset] ^= bit
+        path.write_bytes(bytes(raw))
+        with pytest.raises(ValueError):
+            store.read(entry)
+        with pytest.raises(ValueError):
+            store.read({"file": path.name})
+    path.write_bytes(good)
+    assert store.read(entry).meta["epoch"] == 1
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

@@ -158,10 +158,10 @@ def test_ckpt_ls_and_verify(cnn_checkpoint, capsys, tmp_path):
     newest = rows[-1]
     assert (newest["epoch"], newest["step"], newest["epoch_end"]) == (1, 0, True)
     assert newest["size"] == (directory / newest["file"]).stat().st_size
-    assert newest["sha256"] == manifest[-1]["sha256"] and newest["latest"]
+    assert newest["checksum"] == "crc32:" + manifest[-1]["crc32"] and newest["latest"]
     assert main(["ckpt", "ls", str(directory)]) == 0
     table = capsys.readouterr().out
-    assert newest["file"] in table and newest["sha256"][:12] in table and "epoch end" in table
+    assert newest["file"] in table and newest["checksum"] in table and "epoch end" in table
     assert main(["ckpt", "verify", str(directory)]) == 0
     assert "1 of 1 checkpoint(s) verified, 0 corrupt" in capsys.readouterr().out
     # A damaged copy: verify names it and fails.
@@ -175,7 +175,7 @@ def test_ckpt_ls_and_verify(cnn_checkpoint, capsys, tmp_path):
     path.write_bytes(bytes(data))
     assert main(["ckpt", "verify", str(damaged)]) == 1
     out = capsys.readouterr().out
-    assert f"{newest['file']}: CORRUPT" in out and "SHA-256" in out
+    assert f"{newest['file']}: CORRUPT" in out and "fails its CRC" in out
 
 
 def test_ckpt_export_loads_with_plain_keras(cnn_checkpoint, capsys, tmp_path):

@@ -518,8 +518,8 @@ def test_keras_private_layout_change_does_not_break_the_import():
         logger = logging.getLogger("keras_mirror_kit")
         logger.addHandler(handler)
         logger.setLevel(logging.DEBUG)
-        arrays = take_snapshot([], allow_non_finite=False, hold=False).extra
-        take_snapshot([], allow_non_finite=False, hold=False)
+        arrays = take_snapshot([], allow_non_finite=False).extra
+        take_snapshot([], allow_non_finite=False)
         lines = [r.getMessage() for r in records if "global random state" in r.getMessage()]
         print("RESULT " + json.dumps({"keys": sorted(arrays), "lines": len(lines)}))
         """,

@@ -19,10 +19,10 @@ def register(sub: Any) -> None:
         "ckpt", help="list, verify or export the checkpoints of a SyncedCheckpoint directory"
     )
     actions = ckpt.add_subparsers(dest="ckpt_command", required=True)
-    ls = actions.add_parser("ls", help="list checkpoints: epoch, step, size, SHA-256, score")
+    ls = actions.add_parser("ls", help="list checkpoints: epoch, step, size, checksum, score")
     ls.add_argument("directory")
     ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    verify = actions.add_parser("verify", help="check every checkpoint's size and SHA-256")
+    verify = actions.add_parser("verify", help="check every checkpoint's size, checksum and CRCs")
     verify.add_argument("directory")
     verify.add_argument("name", nargs="?", help="only this checkpoint (file name or number)")
     export = actions.add_parser(
@@ -91,12 +91,12 @@ def rows(directory: str) -> list[dict[str, Any]]:
                 "epoch_end": entry.get("epoch_end"),
                 "global_step": entry.get("global_step"),
                 "size": size,
-                "sha256": entry.get("sha256"),
+                "checksum": _checksum(entry),
                 "monitor": entry.get("monitor"),
                 "score": entry.get("score"),
                 "latest": entry["file"] == manifest.get("latest"),
                 "best": bool(best) and entry["file"] == best[0]["file"],
-                "listed": "sha256" in entry,
+                "listed": "crc32" in entry or "sha256" in entry,
                 "unreadable": bool(entry.get("unreadable")),
             }
         )
@@ -122,19 +122,26 @@ def _ls(directory: str, as_json: bool) -> int:
         sys.stdout.write(f"no checkpoints in {directory}\n")
         return 0
     header = f"{'file':<18} {'epoch':>5} {'step':>5} {'at':<9} {'global':>7} {'size':>10}  "
-    lines = [header + f"{'sha256':<12}  score"]
+    lines = [header + f"{'checksum':<19}  score"]
     for row in listed:
         at = "unreadable" if row["unreadable"] else ("epoch end" if row["epoch_end"] else "mid")
         score = "" if row["score"] is None else f"{row['monitor']}={row['score']:.6g}"
         flags = [f for f in ("latest", "best") if row[f]]
-        digest = (row["sha256"] or "(not listed)")[:12]
+        digest = row["checksum"] or "(not listed)"
         lines.append(
             f"{row['file']:<18} {_cell(row['epoch']):>5} {_cell(row['step']):>5} {at:<9} "
-            f"{_cell(row['global_step']):>7} {_size(row['size']):>10}  {digest:<12}  "
+            f"{_cell(row['global_step']):>7} {_size(row['size']):>10}  {digest:<19}  "
             f"{score}{'  ' + ', '.join(flags) if flags else ''}".rstrip()
         )
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
+
+
+def _checksum(entry: dict[str, Any]) -> str | None:
+    """`crc32:<8 hex>` (or `sha256:<first 12 hex>`, 0.1.0) as listed in the manifest."""
+    if "crc32" in entry:
+        return f"crc32:{entry['crc32']}"
+    return f"sha256:{entry['sha256'][:12]}" if "sha256" in entry else None
 
 
 def _cell(value: Any) -> str:
@@ -162,7 +169,13 @@ def _verify(directory: str, name: str | None) -> int:
             failed += 1
             sys.stdout.write(f"{entry['file']}: CORRUPT ({err})\n")
         else:
-            how = "SHA-256 ok" if "sha256" in entry else "not in the manifest; zip CRCs ok"
+            how = (
+                "size, checksum and CRCs ok"
+                if "crc32" in entry
+                else "size and SHA-256 ok"
+                if "sha256" in entry
+                else "not in the manifest; zip CRCs ok"
+            )
             sys.stdout.write(f"{entry['file']}: ok ({how})\n")
     total = len(entries)
     sys.stdout.write(f"{total - failed} of {total} checkpoint(s) verified, {failed} corrupt\n")

@@ -7,7 +7,7 @@ loop goes on while the file is written; the next save, the end of `fit` and
 The thread is not a daemon: a process that ends while a write runs lets it finish.
 
 On Linux the writer thread lowers its own scheduling priority (`nice` 19, this thread
-only): copying, hashing and writing the state then uses CPU time training leaves idle
+only): checksumming and writing the state then uses CPU time training leaves idle
 instead of taking it from training's threads, which matters where training itself runs on
 the CPU (on a GPU host the writer mostly waits for the disk). The write still finishes
 before the next save or the end of `fit`, which wait for it.
@@ -102,9 +102,9 @@ class BackgroundWriter:
         writer.wait()
         ```
         """
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+        if self._thread is not None:
+            self._thread.join()  # an interrupt here keeps the write known as pending
+            self._thread = None
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:

@@ -33,7 +33,11 @@ from keras_mirror_kit.callbacks.synced_checkpoint.resume import (
     data_description,
     restore_latest,
 )
-from keras_mirror_kit.callbacks.synced_checkpoint.snapshot import StateSnapshot, take_snapshot
+from keras_mirror_kit.callbacks.synced_checkpoint.snapshot import (
+    HostStaging,
+    StateSnapshot,
+    take_snapshot,
+)
 from keras_mirror_kit.callbacks.synced_checkpoint.state import (
     build_optimizer,
     state_variables,
@@ -138,9 +142,9 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             add e.g. `signal.SIGUSR1` for Slurm's `--signal`, `()` for none. Handled while
             `fit()` runs in the main thread; the previous handlers are put back after it.
         async_save: Write each checkpoint in a background thread while training goes on.
-            The chief takes a snapshot of the state at the step boundary (read on the
-            devices: one extra copy of the state, in accelerator memory on a GPU, until it
-            is written); the next save and
+            The chief copies the state into host arrays at the step boundary (one host
+            copy of the state, allocated at the start of `fit` and reused by every save;
+            no accelerator memory); the next save and
             the end of `fit` wait for the previous write (`wait_for_pending_save()` too),
             and a failed write raises `CheckpointWriteError` at the next training step or
             at the end of `fit`. A kill during a background write leaves the previous
@@ -229,6 +233,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self.allow_non_finite = bool(allow_non_finite)
         self.async_save = check_bool("async_save", async_save)
         self._writer = BackgroundWriter()  # the write in progress with async_save=True
+        self._staging = HostStaging()  # where async_save snapshots are copied (chief)
         self.monitor, self.mode, self.keep_best = monitor, mode, keep_best
         self._model_config: dict[str, Any] | None = None
         self.preemption_signals = self._preemption.signals
@@ -269,6 +274,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         try:
             self._begin_training()
         except BaseException:
+            self._staging.release()
             self._lock.release()  # refused before any step: the directory is free again
             raise
 
@@ -299,6 +305,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             logger.error(
                 "keras-mirror-kit: the checkpoint written in the background failed: %s", err
             )
+        self._staging.release()
         self._lock.release()
 
     def _begin_training(self) -> None:
@@ -345,6 +352,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         if self.restore:
             self._restore()
             check_workers_agree(self.model, self.last_restored, self._resume_skip, self.directory)
+        if self.async_save and self._is_chief:  # one host copy of the state, for this fit
+            self._staging.prepare(state_variables(self.model))
         self._preemption.start(self.model)  # save on SIGTERM (preemption.py)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
@@ -413,6 +422,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         try:
             self._end_training()
         finally:
+            self._staging.release()  # a write still running keeps its own reference
             self._lock.release()
 
     def _end_training(self) -> None:
@@ -553,8 +563,9 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             self.wait_for_pending_save()  # one snapshot at a time
         named = state_variables(self.model)
         # Every worker reads the state (reads of on-read variables are collectives) and
-        # refuses a non-finite state alike; the values stay on their devices until written.
-        snapshot = take_snapshot(named, self.allow_non_finite, self.async_save and self._is_chief)
+        # refuses a non-finite state alike; the chief's async snapshot is copied to staging.
+        staging = self._staging if self.async_save and self._is_chief else None
+        snapshot = take_snapshot(named, self.allow_non_finite, staging)
         if self.verify_replicas:
             gap = check_replicas(self.model, named, self.verify_atol)
             if gap and not self._reported_batch_norm:

@@ -6,11 +6,14 @@ returns a `StateSnapshot` whose `items()` copies the values to the host one vari
 time while the checkpoint file is written, so a save holds about one variable in host
 memory, not the state.
 
-With `hold=True` (asynchronous saves) the snapshot keeps the tensors it read. A read of a
-TensorFlow resource variable is a consistent copy of its value at that instant: the
-variable's buffer is shared until its next update, which then copies it first
-(copy-on-write), so training goes on while a background thread writes the snapshot, and
-the device holds at most one extra copy of the state until it is written.
+For asynchronous saves the snapshot copies the state into a `HostStaging`: host arrays
+allocated (and their pages touched) once, at the start of `fit`, and reused by every save,
+as PyTorch's asynchronous checkpoints reuse their staging buffers. Taking the snapshot is
+then one copy of the state into memory that is already there (about 40 ms for 576 MiB on
+one CPU core) and nothing else: training goes on with its own buffers, no device memory is
+added, and the background thread writes straight from the staging arrays. (Holding the
+read tensors instead, TensorFlow's copy-on-write, costs the training step that next
+updates each variable a fresh allocation of it, on every save.)
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import tensorflow as tf
 from keras_mirror_kit.callbacks.synced_checkpoint.state import global_random_state
 from keras_mirror_kit.checkpoint_store import CheckpointError
 
-__all__ = ["StateSnapshot", "take_snapshot"]
+__all__ = ["HostStaging", "StateSnapshot", "take_snapshot"]
 
 
 def _tf_value(variable: Any) -> Any:
@@ -44,6 +47,97 @@ def _all_finite(tensor: tf.Tensor) -> tf.Tensor | None:
     return None
 
 
+class HostStaging:
+    """Host arrays an asynchronous save copies the state into, allocated once and reused.
+
+    `prepare` allocates one array per state variable and touches its pages, so that no
+    save pays for fresh memory; `copy` copies a tensor into its array (a new array only
+    when the variable's shape or dtype changed). The next snapshot may only be taken once
+    the previous one is written (`SyncedCheckpoint` waits for it).
+
+    Example:
+
+    ```python
+    staging = HostStaging()
+    staging.prepare(state_variables(model))          # at the start of fit
+    snapshot = take_snapshot(state_variables(model), False, staging=staging)
+    ```
+    """
+
+    def __init__(self) -> None:
+        self._arrays: list[np.ndarray | None] = []
+
+    @property
+    def nbytes(self) -> int:
+        """The host memory held, in bytes."""
+        return sum(a.nbytes for a in self._arrays if a is not None)
+
+    def prepare(self, named: list[tuple[str, Any]]) -> None:
+        """Allocates and touches an array for each variable (none is read: no collective).
+
+        Args:
+            named: The `(group, variable)` pairs of `state.state_variables`.
+
+        Returns:
+            None.
+
+        Example:
+
+        ```python
+        staging.prepare(state_variables(model))
+        ```
+        """
+        for i, (_, variable) in enumerate(named):
+            value = _tf_value(variable)
+            self._array(i, tuple(value.shape), tf.as_dtype(value.dtype).as_numpy_dtype)
+        del self._arrays[len(named) :]
+
+    def copy(self, index: int, tensor: tf.Tensor) -> np.ndarray:
+        """Copies `tensor` into the array of variable `index` and returns that array.
+
+        Args:
+            index: The variable's position in the state.
+            tensor: Its value (on the host, `np.asarray` of it is a view: one copy in all).
+
+        Returns:
+            The staging array, holding the value.
+
+        Example:
+
+        ```python
+        array = staging.copy(0, tf.convert_to_tensor(model.variables[0].value))
+        ```
+        """
+        value = np.asarray(tensor)
+        target = self._array(index, value.shape, value.dtype)
+        np.copyto(target, value)
+        return target
+
+    def release(self) -> None:
+        """Frees the arrays (at the end of `fit`).
+
+        Returns:
+            None.
+
+        Example:
+
+        ```python
+        staging.release()
+        ```
+        """
+        self._arrays = []
+
+    def _array(self, index: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """The staging array of variable `index`, (re)allocated and touched if needed."""
+        self._arrays.extend([None] * (index + 1 - len(self._arrays)))
+        array = self._arrays[index]
+        if array is None or array.shape != shape or array.dtype != np.dtype(dtype):
+            array = np.empty(shape, dtype)
+            array.reshape(-1).view(np.uint8).fill(0)  # touch every page now, not at a save
+            self._arrays[index] = array
+        return array
+
+
 class StateSnapshot:
     """The values one save writes, in their saved order, read on their devices.
 
@@ -53,8 +147,8 @@ class StateSnapshot:
     Args:
         keys: The array name of each variable (`"model/00000"`, `"optimizer/00003"`).
         paths: The `"group:path"` of each variable, for the checkpoint's metadata.
-        sources: What each value is read from: the tensor read at snapshot time, or the
-            variable itself (read when written).
+        sources: What each value is read from: a host array (staged) or a tensor read at
+            snapshot time, or the variable itself (read when written).
         non_finite: The paths of the variables holding NaN or Inf.
         extra: Small host arrays written after the variables (Keras' global random state
             as `"random/global"`; the callbacks' arrays are added here by the caller).
@@ -62,7 +156,7 @@ class StateSnapshot:
     Example:
 
     ```python
-    snapshot = take_snapshot(state_variables(model), allow_non_finite=False, hold=False)
+    snapshot = take_snapshot(state_variables(model), allow_non_finite=False)
     store.write(snapshot.items(), {"variables": snapshot.paths, ...})
     ```
     """
@@ -102,7 +196,10 @@ class StateSnapshot:
             raise RuntimeError("This state snapshot was already written or released.")
         for i, key in enumerate(self.keys):
             source, sources[i] = sources[i], None  # the device copy goes once written
-            value = np.asarray(tf.convert_to_tensor(_tf_value(source)))
+            if isinstance(source, np.ndarray):
+                value = source  # staged: written from the staging array itself
+            else:
+                value = np.asarray(tf.convert_to_tensor(_tf_value(source)))
             del source
             yield key, value
             del value
@@ -124,7 +221,7 @@ class StateSnapshot:
 
 
 def take_snapshot(
-    named: list[tuple[str, Any]], allow_non_finite: bool, hold: bool
+    named: list[tuple[str, Any]], allow_non_finite: bool, staging: HostStaging | None = None
 ) -> StateSnapshot:
     """Reads the state for a save and checks, on the devices, that it is finite.
 
@@ -135,9 +232,9 @@ def take_snapshot(
     Args:
         named: The `(group, variable)` pairs of `state.state_variables`.
         allow_non_finite: Record the non-finite variables instead of refusing them.
-        hold: Keep the tensors read now, so that the variables may change before the
-            snapshot is written (asynchronous saves); otherwise the variables are read
-            again, one at a time, when written.
+        staging: Copy the values into these host arrays now, so that the variables may
+            change before the snapshot is written (asynchronous saves); without it the
+            variables are read again, one at a time, when written.
 
     Returns:
         The `StateSnapshot`.
@@ -148,7 +245,7 @@ def take_snapshot(
     Example:
 
     ```python
-    snapshot = take_snapshot(state_variables(model), allow_non_finite=False, hold=True)
+    snapshot = take_snapshot(state_variables(model), allow_non_finite=False)
     ```
     """
     keys: list[str] = []
@@ -162,8 +259,10 @@ def take_snapshot(
         if finite is not None:
             checks.append((variable.path, finite))
         on_read = getattr(value, "synchronization", None) == tf.VariableSynchronization.ON_READ
-        # Reads of on-read variables are collectives: read once here, on every worker.
-        sources.append(tensor if hold or on_read else variable)
+        if staging is not None:
+            sources.append(staging.copy(i, tensor))
+        else:  # reads of on-read variables are collectives: read once here, on every worker
+            sources.append(tensor if on_read else variable)
         del tensor
         keys.append(f"{group}/{i:05d}")
         paths.append(f"{group}:{variable.path}")
