@@ -111,6 +111,18 @@ def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
+def _one_process_two_replicas(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The child run as one process with 2 simulated replicas (the multi-worker reference)."""
+    return subprocess.run(
+        [sys.executable, "-m", CHILD, str(out), *args],
+        cwd=REPO,
+        env=_child_env(KMK_SIMULATE_REPLICAS="2"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
 def _ok(proc: subprocess.CompletedProcess[str]) -> None:
     assert proc.returncode == 0, (
         f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
@@ -674,26 +686,8 @@ def test_launch_startup_and_overall_timeouts(capsys, script, tmp_path):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            CHILD,
-            str(out),
-            "--epochs",
-            "2",
-            "--ckpt",
-            str(out / "ckpt"),
-            "--save-freq",
-            "3",
-        ],
-        cwd=REPO,
-        env=_child_env(KMK_SIMULATE_REPLICAS="2"),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    _ok(proc)
+    _ok(_one_process_two_replicas(out, "--epochs", "2", "--ckpt", str(out / "ckpt"),
+                                  "--save-freq", "3"))  # fmt: skip
     return out
 
 
@@ -998,15 +992,7 @@ def test_two_workers_accumulate_gradients_like_one_process_with_two_replicas(tmp
     out, ref = tmp_path / "workers", tmp_path / "reference"
     child_args = ("--tiny", "--accumulate", "2")  # 8 micro-batches of 64: 4 updates
     _ok(_launch(out, *child_args))
-    proc = subprocess.run(
-        [sys.executable, "-m", CHILD, str(ref), *child_args],
-        cwd=REPO,
-        env=_child_env(KMK_SIMULATE_REPLICAS="2"),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    _ok(proc)
+    _ok(_one_process_two_replicas(ref, *child_args))
     expected = json.loads((ref / "result-0.json").read_text())
     assert expected["num_replicas"] == 2 and expected["strategy"] == "MirroredStrategy"
     for result in [*_results(out), expected]:

@@ -139,7 +139,7 @@ class HostStaging:
 
 
 class StateSnapshot:
-    """The values one save writes, in their saved order, read on their devices.
+    """The values one save writes, in their saved order (staged on the host, or read when written).
 
     Made by `take_snapshot`. `items()` yields the arrays one at a time, each copied to the
     host when it is asked for and released once the next is asked for.
@@ -195,7 +195,7 @@ class StateSnapshot:
         if sources is None:
             raise RuntimeError("This state snapshot was already written or released.")
         for i, key in enumerate(self.keys):
-            source, sources[i] = sources[i], None  # the device copy goes once written
+            source, sources[i] = sources[i], None  # held no longer than its write
             if isinstance(source, np.ndarray):
                 value = source  # staged: written from the staging array itself
             else:
