@@ -53,3 +53,16 @@ def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
     raise AssertionError(
         f"no RESULT line in output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
+
+
+def python_on_path(path: Path) -> Path:
+    """Writes at `path` a `python` that runs this interpreter (a virtual environment's too).
+
+    A symbolic link to `sys.executable` would not do: started through a link outside the
+    environment, the interpreter finds no `pyvenv.cfg` and loses the environment's packages.
+    The wrapper exports `KMK_TEST_PYTHON_VIA=<path>`, so a child can show it was reached
+    through this file.
+    """
+    path.write_text(f'#!/bin/sh\nexport KMK_TEST_PYTHON_VIA="$0"\nexec "{sys.executable}" "$@"\n')
+    path.chmod(0o755)
+    return path

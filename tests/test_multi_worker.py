@@ -29,7 +29,7 @@ from keras_mirror_kit.multi_worker import cluster, launch
 from keras_mirror_kit.multi_worker.cluster import parse_tf_config
 from keras_mirror_kit.workarounds import keras_multi_worker_fit
 from tests.processes import alive, assert_none_left, kill
-from tests.subproc import last_json, run_python
+from tests.subproc import last_json, python_on_path, run_python
 
 REPO = Path(__file__).resolve().parent.parent
 CHILD = "tests.mw_child"
@@ -437,7 +437,7 @@ TASK_SCRIPT = textwrap.dedent(
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     with open(os.path.join(out, f"task-{task['index']}.json"), "w") as f:
         json.dump({"index": task["index"], "argv": sys.argv[1:],
-                   "executable": sys.executable}, f)
+                   "via": os.environ.get("KMK_TEST_PYTHON_VIA")}, f)
     print(f"task {task['index']} ran")
     """
 )
@@ -452,7 +452,7 @@ def python3_on_path(tmp_path, monkeypatch) -> Path:
     """A `python3` on PATH that is this interpreter, reached only through PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python3").symlink_to(sys.executable)
+    python_on_path(bin_dir / "python3")
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     return bin_dir / "python3"
 
@@ -471,7 +471,7 @@ def test_launch_runs_a_command_like_mpirun(capsys, tmp_path, python3_on_path):
     for index, task in enumerate(_tasks(out)):
         assert task["index"] == index
         assert task["argv"] == [str(out), "--epochs", "3"]
-        assert task["executable"] == str(python3_on_path)  # the command, run as given
+        assert task["via"] == str(python3_on_path)  # the command, run as given
     assert "[worker 0] task 0 ran" in captured.out and "[worker 1] task 1 ran" in captured.out
     assert f"python3 {train} {out} --epochs 3" in captured.err  # the launcher's start line
 

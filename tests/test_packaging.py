@@ -31,6 +31,22 @@ def test_version_is_defined_once_and_installed_metadata_matches() -> None:
     assert f"## [{version}]" in changelog or "## [Unreleased]" in changelog
 
 
+def test_ci_runs_the_readme_quickstart_literally_in_its_virtual_environment() -> None:
+    """`.ci/run` creates and activates the Quickstart's virtual environment, then runs its
+    test command verbatim: a test that passes only with a global install fails CI."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    quickstart = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    venv = re.search(r"`(python3 -m venv \.venv && \. \.venv/bin/activate)`", quickstart)
+    assert venv, "README's Quickstart must tell users how to create the virtual environment"
+    commands = re.findall(r"```bash\n(.*?)\n```", quickstart, flags=re.S)
+    assert len(commands) == 2, commands
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    assert venv.group(1) in ci and commands[1] in ci
+    assert ci.index(venv.group(1)) < ci.index(commands[1])
+    installs = [line for line in ci if "pip install" in line]
+    assert installs and all(ci.index(venv.group(1)) < ci.index(line) for line in installs)
+
+
 def test_license_and_classifiers() -> None:
     project = _pyproject()["project"]
     assert project["license"] == "Apache-2.0"  # SPDX expression, not the deprecated table

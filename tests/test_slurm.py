@@ -27,7 +27,7 @@ import tensorflow as tf
 from keras_mirror_kit.callbacks.synced_checkpoint.preemption import PREEMPTED_EXIT_CODE
 from keras_mirror_kit.multi_worker import cluster
 from tests.processes import assert_none_left
-from tests.subproc import REPO
+from tests.subproc import REPO, python_on_path
 
 STEP = {
     "SLURM_PROCID": "3",
@@ -192,7 +192,7 @@ def test_the_documented_sbatch_script_saves_on_slurms_signal_and_requeues(tmp_pa
     bin_dir.mkdir()
     _stand_in(bin_dir / "srun", SRUN)
     _stand_in(bin_dir / "scontrol", SCONTROL)
-    (bin_dir / "python").symlink_to(sys.executable)
+    python_on_path(bin_dir / "python")
     (tmp_path / "train.py").write_text(TRAIN)
     (tmp_path / "job.sh").write_text(_job_script())
     log, ckpt = tmp_path / "scontrol.log", tmp_path / "ckpt"
@@ -228,7 +228,7 @@ def test_the_documented_sbatch_script_saves_on_slurms_signal_and_requeues(tmp_pa
                 os.killpg(proc.pid, 9)
                 proc.communicate()
         pids = [json.loads(p.read_text())["pid"] for p in out.glob("pids-*.json")]
-        assert len(pids) == 2
+        assert len(pids) == 2, f"{len(pids)} task(s) started; job's stderr:\n{stderr[-6000:]}"
         time.sleep(0)  # (the tasks were waited for by the stand-in srun)
         assert_none_left(pids)
         return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
