@@ -51,9 +51,10 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
     )
     from keras_mirror_kit.devices import nccl_available, simulate_replicas
     from keras_mirror_kit.distributed import DistributedFactory, distributed
-    from keras_mirror_kit.distribution import Distribution, current, distribution_of
+    from keras_mirror_kit.distribution import Distribution, current
     from keras_mirror_kit.flops import count_training_flops
     from keras_mirror_kit.lr_scaling import scale_learning_rate
+    from keras_mirror_kit.model_record import distribution_of
     from keras_mirror_kit.multi_worker import PREEMPTED_EXIT_CODE
     from keras_mirror_kit.schedules import WarmupSchedule
     from keras_mirror_kit.throughput import ThroughputMeter
@@ -76,7 +77,7 @@ _LAZY: dict[str, str] = {
     "cursor_of": "keras_mirror_kit.data",
     "datasets": "keras_mirror_kit.datasets",
     "distributed": "keras_mirror_kit.distributed",
-    "distribution_of": "keras_mirror_kit.distribution",
+    "distribution_of": "keras_mirror_kit.model_record",
     "global_batch_size": "keras_mirror_kit.batching",
     "make_dataset": "keras_mirror_kit.data",
     "models": "keras_mirror_kit.models",

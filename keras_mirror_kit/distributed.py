@@ -34,18 +34,12 @@ from keras_mirror_kit.devices import (
 )
 from keras_mirror_kit.distribution import Distribution, activate
 from keras_mirror_kit.lr_scaling import DEFAULT_RULE, validate_rule
-from keras_mirror_kit.model_setup import (
-    ModelOptions,
-    check_model,
-    compiled_models_prepared,
-    factory_running,
-    prepare_model,
-)
+from keras_mirror_kit.model_setup import ModelOptions, prepare_model
 from keras_mirror_kit.precision import policy_scope, validate_policy
 from keras_mirror_kit.validation import check_bool, positive_int
-from keras_mirror_kit.workarounds import tf_data_iterator_stall
+from keras_mirror_kit.with_block import block, factory_running
 
-__all__ = ["DistributedFactory", "check_model", "distributed"]
+__all__ = ["DistributedFactory", "check_backend", "distributed"]
 
 logger = logging.getLogger("keras_mirror_kit")
 
@@ -281,11 +275,8 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
 
     def __enter__(self) -> Distribution:
         dist = self.distribution
-        with ExitStack() as stack:  # a context that fails to enter closes those before it
-            stack.enter_context(activate(dist))
-            stack.enter_context(policy_scope(self._options.mixed_precision))
-            stack.enter_context(tf_data_iterator_stall.per_device_autotune_disabled())
-            stack.enter_context(compiled_models_prepared(dist, self._options))
+        with ExitStack() as stack:
+            stack.enter_context(block(dist, self._options))
             self._open_blocks().append(stack.pop_all())
         return dist
 

@@ -5,8 +5,8 @@ A `Distribution` is the kit's read-only description of one data-parallel setup: 
 sizes, the gradient accumulation steps and the effective batch size (samples per optimizer
 update), and the learning-rate scaling rule. `distributed()` creates it; everything above the
 core (callbacks, integrations, the command line) reads it from here, either through
-`current()` while a factory or `with` block runs, or through `distribution_of(model)` for a
-model the kit built.
+`current()` while a factory or `with` block runs, or through `distribution_of(model)`
+(`keras_mirror_kit.model_record`) for a model the kit built.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tensorflow as tf
 from keras_mirror_kit.lr_scaling import DEFAULT_RULE, scale_learning_rate, validate_rule
 from keras_mirror_kit.validation import positive_int
 
-__all__ = ["Distribution", "current", "distribution_of", "is_chief", "known_replica_counts"]
+__all__ = ["Distribution", "activate", "current", "distributions_alive", "known_replica_counts"]
 
 
 class Distribution:
@@ -263,7 +263,6 @@ class Distribution:
 
 _ALL_DISTRIBUTIONS: weakref.WeakSet[Distribution] = weakref.WeakSet()
 _local = threading.local()
-_MODEL_DISTRIBUTIONS: weakref.WeakKeyDictionary[Any, Distribution] = weakref.WeakKeyDictionary()
 
 
 def _stack() -> list[Distribution]:
@@ -292,35 +291,14 @@ def activate(distribution: Distribution) -> Iterator[Distribution]:
         stack.pop()
 
 
+def distributions_alive() -> list[Distribution]:
+    """The `Distribution`s alive in this process."""
+    return list(_ALL_DISTRIBUTIONS)
+
+
 def known_replica_counts() -> list[int]:
     """Replica counts of the `Distribution`s alive in this process (for input checks)."""
-    return [d.num_replicas for d in list(_ALL_DISTRIBUTIONS)]
-
-
-def is_chief(model: Any) -> bool:
-    """Whether this process should perform side effects (writes, logs) for `model`.
-
-    The `Distribution` that built the model decides; for any other model, its strategy's
-    `extended.should_checkpoint` (True without a strategy).
-
-    Args:
-        model: A `keras.Model`.
-
-    Returns:
-        True on the chief (and on every single-process run).
-
-    Example:
-
-    ```python
-    if kmk.distribution.is_chief(model):
-        model.save("model.keras")
-    ```
-    """
-    dist = distribution_of(model)
-    if dist is not None:
-        return dist.is_chief
-    strategy = getattr(model, "distribute_strategy", None)
-    return bool(getattr(getattr(strategy, "extended", None), "should_checkpoint", True))
+    return [d.num_replicas for d in distributions_alive()]
 
 
 def current() -> Distribution:
@@ -353,38 +331,3 @@ def current() -> Distribution:
             "`.distribution` attribute)."
         )
     return stack[-1]
-
-
-def register_model(model: Any, distribution: Distribution) -> None:
-    """Remembers which `Distribution` built `model` (for callbacks)."""
-    _MODEL_DISTRIBUTIONS[model] = distribution
-
-
-def distribution_of(model: Any) -> Distribution | None:
-    """Returns the `Distribution` that built `model`, or None for a model the kit did not build.
-
-    Args:
-        model: A `keras.Model`.
-
-    Returns:
-        The `Distribution` registered by `distributed()`, or None.
-
-    Example:
-
-    ```python
-    dist = kmk.distribution_of(model)
-    if dist is not None:
-        batch = dist.global_batch_size
-    ```
-    """
-    try:
-        found = _MODEL_DISTRIBUTIONS.get(model)
-    except TypeError:  # unhashable or not weak-referenceable
-        found = None
-    if found is not None:
-        return found
-    # Built inside `with kmk.distributed(...)`: match the strategy Keras captured.
-    strategy = getattr(model, "_distribute_strategy", None)
-    if strategy is None:
-        return None
-    return next((d for d in list(_ALL_DISTRIBUTIONS) if d.strategy is strategy), None)

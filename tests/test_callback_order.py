@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit.model_setup import order_callbacks
+from keras_mirror_kit.fit_wrapper import order_callbacks
 from tests import models
 
 X = np.random.default_rng(0).normal(size=(256, 6)).astype("float32")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 from contextlib import contextmanager
@@ -13,12 +12,12 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
+from keras_mirror_kit import with_block
 from keras_mirror_kit.model_setup import is_prepared
 from keras_mirror_kit.workarounds import tf_data_iterator_stall
 from tests import models
 from tests.ckpt_helpers import CountBatches
 
-distributed_module = importlib.import_module("keras_mirror_kit.distributed")
 X = np.random.default_rng(0).normal(size=(64, 6)).astype("float32")
 Y = (X[:, 0] > 0).astype("int32")
 
@@ -95,7 +94,7 @@ def test_entering_leaves_no_scope_behind_when_a_later_context_fails(monkeypatch)
         raise RuntimeError("a later context failed")
         yield  # pragma: no cover
 
-    monkeypatch.setattr(distributed_module, "compiled_models_prepared", failing)
+    monkeypatch.setattr(with_block, "_compiled_models_prepared", failing)
     config = kmk.distributed(per_replica_batch_size=8)
     with pytest.raises(RuntimeError, match="a later context failed"):
         config.__enter__()

@@ -14,19 +14,20 @@ from typing import Any
 
 import keras
 
-from keras_mirror_kit.callbacks.progress import steps_done
+from keras_mirror_kit.callbacks.keras_loop import steps_done
 from keras_mirror_kit.devices.peaks import resolve_peak
-from keras_mirror_kit.distribution import is_chief
+from keras_mirror_kit.fit_wrapper import batch_plan
 from keras_mirror_kit.flops import (
     count_training_flops,
     model_compute_dtype,
 )
-from keras_mirror_kit.model_setup import batch_plan, check_callback_model
+from keras_mirror_kit.model_record import is_chief
 from keras_mirror_kit.throughput import (
     BASELINE_MEANING,
     ThroughputMeter,
 )
 from keras_mirror_kit.validation import non_negative_int, optional_positive_number, positive_int
+from keras_mirror_kit.with_block import check_callback_model
 
 __all__ = ["ThroughputMonitor"]
 
@@ -146,7 +147,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
     ```
     """
 
-    _kmk_logs_producer = True  # model_setup.LOGS_PRODUCER: a prepared fit runs it first
+    produces_logs = True  # fit_wrapper.FitHooks: a kit-built model's fit() runs it first
 
     def __init__(
         self,

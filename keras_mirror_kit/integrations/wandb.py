@@ -30,10 +30,10 @@ except ImportError as err:  # pragma: no cover - exercised in a subprocess test
     ) from err
 
 from keras_mirror_kit._version import __version__
-from keras_mirror_kit.callbacks.callback_list import find_callback_list
-from keras_mirror_kit.callbacks.progress import steps_done
+from keras_mirror_kit.callbacks.keras_loop import find_callback_list, steps_done
 from keras_mirror_kit.checkpoint_lock import LOCK_FILE
-from keras_mirror_kit.distribution import Distribution, distribution_of, is_chief
+from keras_mirror_kit.distribution import Distribution
+from keras_mirror_kit.model_record import distribution_of, is_chief
 from keras_mirror_kit.validation import positive_int
 
 __all__ = ["WandbLogger"]

@@ -12,8 +12,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_mirror_kit.callbacks.callback_list import find_callback_list
-from keras_mirror_kit.callbacks.progress import steps_done
+from keras_mirror_kit.callbacks.keras_loop import find_callback_list, steps_done
 from keras_mirror_kit.callbacks.synced_checkpoint.background import BackgroundWriter
 from keras_mirror_kit.callbacks.synced_checkpoint.best import BestKeeper
 from keras_mirror_kit.callbacks.synced_checkpoint.callback_state import (
@@ -45,10 +44,10 @@ from keras_mirror_kit.callbacks.synced_checkpoint.state import (
 from keras_mirror_kit.checkpoint_lock import DirectoryLock
 from keras_mirror_kit.checkpoint_store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.data import DatasetCursor, cursor_of
-from keras_mirror_kit.distribution import is_chief
 from keras_mirror_kit.fit_inputs import dataset_cursor
-from keras_mirror_kit.model_setup import check_callback_model
+from keras_mirror_kit.model_record import is_chief
 from keras_mirror_kit.validation import check_bool
+from keras_mirror_kit.with_block import check_callback_model
 
 __all__ = ["SyncedCheckpoint"]
 
@@ -523,8 +522,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         if self._cursor.get() == (self._epoch, self._epoch_skip):
             self._refuse_other_dataset("the dataset given was never read")
 
-    def _kmk_check_fit_data(self, x: Any) -> None:
-        """Before any step (kit-built models): `fit`'s data must be the `dataset=` given."""
+    def check_fit_data(self, x: Any) -> None:
+        """Refuses `fit`'s data unless it is the `dataset=` given (`fit_wrapper.FitHooks`)."""
         found = dataset_cursor(x)
         if self._cursor is not None and found is not None and found is not self._cursor:
             self._refuse_other_dataset("fit() was given another kmk.make_dataset object")

@@ -478,7 +478,7 @@ class _ClusterAgreement:
 
 def _num_workers(model: Any) -> int:
     """Worker processes of the model's strategy (1 without a multi-worker strategy)."""
-    from keras_mirror_kit.distribution import distribution_of
+    from keras_mirror_kit.model_record import distribution_of
 
     dist = distribution_of(model)
     if dist is not None:

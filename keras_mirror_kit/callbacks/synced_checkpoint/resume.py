@@ -12,7 +12,7 @@ import tensorflow as tf
 from keras_mirror_kit.callbacks.synced_checkpoint.state import apply_state
 from keras_mirror_kit.checkpoint_store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.data import DatasetCursor
-from keras_mirror_kit.distribution import distribution_of
+from keras_mirror_kit.model_record import distribution_of
 
 __all__ = [
     "Resume",

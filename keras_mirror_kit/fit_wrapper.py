@@ -1,0 +1,176 @@
+"""The `fit`, `evaluate` and `predict` of a model the kit built, and the hooks they call.
+
+`prepare_model` (`keras_mirror_kit.model_setup`) gives each model per-instance wrappers
+(`install`) that, before any step:
+
+* check the data (`keras_mirror_kit.fit_inputs`) and the step counts
+  (`keras_mirror_kit.workarounds.keras_epoch_rounding`);
+* batch in-memory arrays with the global batch size when no `batch_size` is given (Keras'
+  default of 32 knows nothing of the replicas), and record the batch really used in the
+  model's record (`batch_plan`, read by `ThroughputMonitor`);
+* run the callbacks that add figures to `logs` first, so loggers listed before them still
+  see their figures;
+* feed the replicas a `make_dataset` dataset in its stored dtype when its `preprocess` runs
+  on the replicas (`keras_mirror_kit.replica_preprocess`).
+
+Callbacks take part through `FitHooks`, the one declaration of what such a `fit` calls
+besides Keras' own hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import keras
+
+from keras_mirror_kit import replica_preprocess
+from keras_mirror_kit.distribution import Distribution
+from keras_mirror_kit.fit_inputs import BatchPlan, check_input, is_array_data, plan_batches
+from keras_mirror_kit.model_record import record_of
+from keras_mirror_kit.workarounds.keras_epoch_rounding import check_step_arguments
+
+__all__ = [
+    "FitHooks",
+    "batch_plan",
+    "install",
+    "notify_fit_exception",
+    "order_callbacks",
+]
+
+logger = logging.getLogger("keras_mirror_kit")
+
+
+@runtime_checkable
+class FitHooks(Protocol):
+    """What the `fit()` of a model the kit built calls on a callback, besides Keras' hooks.
+
+    A callback needs none of these; each one it defines is used:
+
+    * `produces_logs = True` (a class attribute): the callback adds figures to `logs`
+      (`ThroughputMonitor`), so `fit` runs it before the others: Keras calls callbacks in
+      list order, and a logger (CSVLogger, TensorBoard, W&B) listed first would write its
+      row before the figures exist.
+    * `check_fit_data(x)`: called with `fit`'s `x` before any step; raise to refuse it
+      (`SyncedCheckpoint(dataset=)` refuses another dataset than its own).
+    * `on_fit_exception(exception)`: called when `fit` raises (Ctrl-C too), before the
+      exception propagates. Keras calls no `on_train_end` then, so this is where a callback
+      closes what it opened (`WandbLogger` finishes its run as failed). An error raised
+      here is logged and never replaces `exception`.
+    """
+
+    produces_logs: ClassVar[bool]
+
+    def check_fit_data(self, x: Any) -> None: ...
+
+    def on_fit_exception(self, exception: BaseException) -> None: ...
+
+
+def _listed(callbacks: Any) -> list[Any]:
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    if not isinstance(callbacks, Sequence) or isinstance(callbacks, (str, bytes)):
+        return []
+    return list(callbacks)
+
+
+def _hook(callback: Any, name: str) -> Any:
+    hook = getattr(callback, name, None)
+    return hook if callable(hook) else None
+
+
+def order_callbacks(callbacks: Any) -> Any:
+    """`callbacks` with those that produce logs first (a `CallbackList` is left as it is)."""
+    if not isinstance(callbacks, Sequence) or isinstance(callbacks, (str, bytes)):
+        return callbacks
+    listed = list(callbacks)
+    producers = [c for c in listed if getattr(c, "produces_logs", False) is True]
+    if not producers:
+        return callbacks
+    return producers + [c for c in listed if getattr(c, "produces_logs", False) is not True]
+
+
+def notify_fit_exception(callbacks: Any, exception: BaseException) -> None:
+    """Calls `on_fit_exception(exception)` of every callback that has it, in list order."""
+    for callback in _listed(callbacks):
+        hook = _hook(callback, "on_fit_exception")
+        if hook is not None:
+            try:
+                hook(exception)
+            except Exception:
+                logger.exception("keras-mirror-kit: on_fit_exception of %r failed", callback)
+
+
+def _check_fit_data(callbacks: Any, x: Any) -> None:
+    for callback in _listed(callbacks):
+        hook = _hook(callback, "check_fit_data")
+        if hook is not None:
+            hook(x)
+
+
+def batch_plan(model: Any) -> BatchPlan | None:
+    """The batch the running `fit` of a model the kit prepared uses; None outside a `fit`."""
+    record = record_of(model)
+    return record.batch_plan if record is not None else None
+
+
+_METHODS = (
+    ("fit", ("steps_per_epoch", "validation_steps"), ("x", "validation_data")),
+    ("evaluate", ("steps",), ("x",)),
+    ("predict", (), ("x",)),
+)
+
+
+def install(model: Any, dist: Distribution) -> None:
+    """Installs the checking `fit`, `evaluate` and `predict` wrappers on this instance."""
+    record = record_of(model)
+    assert record is not None, "register_model() runs before install()"
+    for method_name, steps_args, data_args in _METHODS:
+        original = getattr(model, method_name)
+        signature = inspect.signature(original)
+
+        def wrapper(
+            *args: Any,
+            _original: Any = original,
+            _signature: inspect.Signature = signature,
+            _method: str = method_name,
+            _steps: tuple[str, ...] = steps_args,
+            _data: tuple[str, ...] = data_args,
+            **kwargs: Any,
+        ) -> Any:
+            bound = _signature.bind_partial(*args, **kwargs)
+            given = bound.arguments
+            for argument in _data:
+                check_input(given.get(argument), dist, _method, argument)
+            check_step_arguments(model, **{name: given.get(name) for name in _steps})
+            if is_array_data(given.get("x")) and not given.get("batch_size"):
+                given["batch_size"] = dist.global_batch_size  # not Keras' default of 32
+            if "callbacks" in given:
+                given["callbacks"] = order_callbacks(given["callbacks"])
+            if _method != "fit":
+                with replica_preprocess.applied(model, _method, given):  # after the checks
+                    return _original(*bound.args, **bound.kwargs)
+            callbacks = given.get("callbacks")
+            _check_fit_data(callbacks, given.get("x"))
+            plan = plan_batches(
+                given.get("x"),
+                dist,
+                batch_size=given.get("batch_size"),
+                validation_split=given.get("validation_split") or 0.0,
+                steps_per_epoch=given.get("steps_per_epoch"),
+            )
+            previous, record.batch_plan = record.batch_plan, plan
+            try:
+                with replica_preprocess.applied(model, _method, given):  # after the checks
+                    return _original(*bound.args, **bound.kwargs)
+            except BaseException as exception:  # Ctrl-C too: Keras' fit has no finally
+                notify_fit_exception(callbacks, exception)
+                raise
+            finally:
+                record.batch_plan = previous
+
+        object.__setattr__(model, method_name, functools.wraps(original)(wrapper))
+    replica_preprocess.install(model)  # make_dataset's preprocess on the replicas
