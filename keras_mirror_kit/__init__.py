@@ -42,13 +42,10 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
         CheckpointWriteError,
         CorruptCheckpointWarning,
     )
-    from keras_mirror_kit.data import (
-        DatasetCursor,
-        cursor_of,
-        make_dataset,
-        preprocess_placement,
-        rescale,
-    )
+    from keras_mirror_kit.data.cursor import DatasetCursor
+    from keras_mirror_kit.data.info import cursor_of
+    from keras_mirror_kit.data.pipeline import make_dataset
+    from keras_mirror_kit.data.preprocess import preprocess_placement, rescale
     from keras_mirror_kit.devices import nccl_available, simulate_replicas
     from keras_mirror_kit.distributed import DistributedFactory, distributed
     from keras_mirror_kit.distribution import Distribution, current
@@ -65,7 +62,7 @@ _LAZY: dict[str, str] = {
     "CheckpointError": "keras_mirror_kit.checkpoint_store",
     "CheckpointWriteError": "keras_mirror_kit.checkpoint_store",
     "CorruptCheckpointWarning": "keras_mirror_kit.checkpoint_store",
-    "DatasetCursor": "keras_mirror_kit.data",
+    "DatasetCursor": "keras_mirror_kit.data.cursor",
     "Distribution": "keras_mirror_kit.distribution",
     "DistributedFactory": "keras_mirror_kit.distributed",
     "ReplicaDivergenceError": "keras_mirror_kit.callbacks",
@@ -74,20 +71,20 @@ _LAZY: dict[str, str] = {
     "ThroughputMonitor": "keras_mirror_kit.callbacks",
     "WarmupSchedule": "keras_mirror_kit.schedules",
     "current": "keras_mirror_kit.distribution",
-    "cursor_of": "keras_mirror_kit.data",
+    "cursor_of": "keras_mirror_kit.data.info",
     "datasets": "keras_mirror_kit.datasets",
     "distributed": "keras_mirror_kit.distributed",
     "distribution_of": "keras_mirror_kit.model_record",
     "global_batch_size": "keras_mirror_kit.batching",
-    "make_dataset": "keras_mirror_kit.data",
+    "make_dataset": "keras_mirror_kit.data.pipeline",
     "models": "keras_mirror_kit.models",
     "nccl_available": "keras_mirror_kit.devices",
     "per_replica_batch_size": "keras_mirror_kit.batching",
-    "rescale": "keras_mirror_kit.data",
+    "rescale": "keras_mirror_kit.data.preprocess",
     "scale_learning_rate": "keras_mirror_kit.lr_scaling",
     "simulate_replicas": "keras_mirror_kit.devices",
     "synchronize_batch_norm": "keras_mirror_kit.batch_norm",
-    "preprocess_placement": "keras_mirror_kit.data",
+    "preprocess_placement": "keras_mirror_kit.data.preprocess",
     "restore": "keras_mirror_kit.callbacks.synced_checkpoint.restore",
     "CheckpointLockedError": "keras_mirror_kit.checkpoint_lock",
     "StaleLockWarning": "keras_mirror_kit.checkpoint_lock",

@@ -31,6 +31,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_mirror_kit.data.info import DatasetInfo, dataset_info
 from keras_mirror_kit.distribution import Distribution
 
 __all__ = [
@@ -155,8 +156,8 @@ def _num_samples(x: Any) -> int:
 
 
 def _epoch_samples(dataset: Any) -> int | None:
-    samples = _find(dataset, "_kmk_epoch_samples", _KEEPS_EPOCH)[0]
-    return int(samples) if samples is not None else None
+    info = _find(dataset, _KEEPS_EPOCH)[0]
+    return info.epoch_samples if info is not None else None
 
 
 def plan_batches(
@@ -196,13 +197,14 @@ def plan_batches(
     return BatchPlan(size, None if steps_per_epoch else _epoch_samples(x))
 
 
-def _find(dataset: Any, attribute: str, through: tuple[str, ...]) -> tuple[Any, Any]:
-    """The first `attribute` down the pipeline through `through` nodes, and where it stopped."""
+def _find(dataset: Any, through: tuple[str, ...]) -> tuple[DatasetInfo | None, Any]:
+    """The first kit `DatasetInfo` down the pipeline through `through` nodes, and the node
+    where the walk stopped."""
     node = dataset
     for _ in range(256):
-        value = getattr(node, attribute, None)
-        if value is not None or type(node).__name__ not in through:
-            return value, node
+        info = dataset_info(node)
+        if info is not None or type(node).__name__ not in through:
+            return info, node
         node = getattr(node, "_input_dataset", None)
     return None, node
 
@@ -223,9 +225,9 @@ def dataset_batch_size(dataset: Any) -> int | None:
     dataset_batch_size(tf.data.Dataset.range(10).batch(4).prefetch(1))  # 4
     ```
     """
-    size, node = _find(dataset, "_kmk_batch_size", _KEEPS_BATCH)
-    if size is not None:
-        return int(size)
+    info, node = _find(dataset, _KEEPS_BATCH)
+    if info is not None:
+        return info.batch_size
     if type(node).__name__ in _BATCHING:
         value = tf.get_static_value(getattr(node, "_batch_size", None))
         return int(value) if value is not None else None
@@ -247,7 +249,8 @@ def dataset_cursor(dataset: Any) -> Any:
     assert dataset_cursor(ds.repeat()) is kmk.cursor_of(ds)
     ```
     """
-    return _find(dataset, "_kmk_cursor", _KEEPS_BATCH)[0]
+    info = _find(dataset, _KEEPS_BATCH)[0]
+    return info.cursor if info is not None else None
 
 
 def check_input(x: Any, dist: Distribution, method: str, argument: str = "x") -> None:

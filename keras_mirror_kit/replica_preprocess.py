@@ -4,10 +4,11 @@
 them in the input pipeline means float32 batches (four times the bytes) are what the
 `MultiDeviceIterator` copies to each device, over PCIe on a GPU host. For a model the kit
 prepared (`keras_mirror_kit.model_setup`), `fit`, `evaluate` and `predict` instead iterate
-the dataset's stored-dtype twin (`keras_mirror_kit.data.ReplicaVariant`: same cursor, same
-order, batches before `preprocess`) and the model's replica steps apply `preprocess` first,
-inside `strategy.run`, so each replica casts its own slice on its own device. A per-sample
-function gives exactly the values the host gave (`tests/test_replica_preprocess.py`).
+the dataset's stored-dtype twin (`keras_mirror_kit.data.preprocess.ReplicaVariant`: same
+cursor, same order, batches before `preprocess`) and the model's replica steps apply
+`preprocess` first, inside `strategy.run`, so each replica casts its own slice on its own
+device. A per-sample function gives exactly the values the host gave
+(`tests/test_replica_preprocess.py`).
 
 How, on the model instance only (its class and other models are untouched):
 
@@ -36,14 +37,12 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_mirror_kit.data import ReplicaVariant, replica_variant
+from keras_mirror_kit.data.preprocess import ReplicaVariant, replica_variant
 
 __all__ = ["applied", "install", "is_installed"]
 
 logger = logging.getLogger("keras_mirror_kit")
 
-_STATE = "_kmk_replica_preprocess"
-_MARK = "_kmk_replica_step"  # on the step wrappers `install` sets
 _STEPS = {"train": "train_step", "test": "test_step", "predict": "predict_step"}
 _FUNCTIONS = {"train": "train_function", "test": "test_function", "predict": "predict_function"}
 # The data arguments of each method, and the step that consumes them.
@@ -66,6 +65,41 @@ class _State:
         self.specs: dict[tuple[Any, ...], Any] = {}  # preprocess's output specs, by input
 
 
+class _ReplicaStep:
+    """A model's `train_step`/`test_step`/`predict_step`, applying the active variant first.
+
+    The state travels with the wrappers the model already holds (not in a map beside the
+    model: it keeps the model's compiled functions, which reference the model, so a weak
+    map would never let the model go)."""
+
+    def __init__(self, original: Callable[[Any], Any], kind: str, state: _State) -> None:
+        functools.update_wrapper(self, original)
+        self.original, self.kind, self.state = original, kind, state
+
+    def __call__(self, data: Any) -> Any:
+        variant = self.state.active[self.kind]
+        return self.original(data if variant is None else _preprocessed(data, variant))
+
+
+class _SymbolicBuild:
+    """The model's `_symbolic_build`, given the specs `preprocess` returns (traced, not run)."""
+
+    def __init__(self, original: Callable[..., Any], state: _State) -> None:
+        functools.update_wrapper(self, original)
+        self.original, self.state = original, state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        batch = kwargs.get("data_batch")
+        if self.state.build is not None and batch is not None:
+            kwargs["data_batch"] = _built_batch(batch, self.state.build, self.state)
+        return self.original(*args, **kwargs)
+
+
+def _state_of(model: Any) -> _State | None:
+    build = vars(model).get("_symbolic_build") if hasattr(model, "__dict__") else None
+    return build.state if isinstance(build, _SymbolicBuild) else None
+
+
 def is_installed(model: Any) -> bool:
     """Whether `install` ran on `model`.
 
@@ -81,7 +115,7 @@ def is_installed(model: Any) -> bool:
     assert is_installed(build_model())   # every model the kit prepared
     ```
     """
-    return isinstance(getattr(model, _STATE, None), _State)
+    return _state_of(model) is not None
 
 
 def _preprocessed(data: Any, variant: ReplicaVariant) -> Any:
@@ -138,27 +172,10 @@ def install(model: Any) -> None:
     if is_installed(model):
         return
     state = _State()
-    object.__setattr__(model, _STATE, state)
     for kind, name in _STEPS.items():
-        original = getattr(model, name)
-
-        def step(data: Any, _original: Callable[[Any], Any] = original, _kind: str = kind) -> Any:
-            variant = state.active[_kind]
-            return _original(data if variant is None else _preprocessed(data, variant))
-
-        wrapped = functools.wraps(original)(step)
-        setattr(wrapped, _MARK, True)
-        object.__setattr__(model, name, wrapped)
-    original_build = model._symbolic_build  # noqa: SLF001
-
-    @functools.wraps(original_build)
-    def symbolic_build(*args: Any, **kwargs: Any) -> Any:
-        batch = kwargs.get("data_batch")
-        if state.build is not None and batch is not None:
-            kwargs["data_batch"] = _built_batch(batch, state.build, state)
-        return original_build(*args, **kwargs)
-
-    object.__setattr__(model, "_symbolic_build", symbolic_build)
+        object.__setattr__(model, name, _ReplicaStep(getattr(model, name), kind, state))
+    build = _SymbolicBuild(model._symbolic_build, state)  # noqa: SLF001
+    object.__setattr__(model, "_symbolic_build", build)
 
 
 def _validity(model: Any) -> tuple[Any, ...]:
@@ -199,7 +216,7 @@ def _can_apply(model: Any, method: str, argument: str, kind: str, variant: Repli
     """Whether the model's step is still the wrapper `install` set (not replaced since)."""
     name = _STEPS[kind]
     step = getattr(model, name, None)
-    if getattr(step, _MARK, False):
+    if isinstance(step, _ReplicaStep):
         return True
     if variant.requested:
         raise ValueError(
@@ -249,8 +266,8 @@ def applied(model: Any, method: str, arguments: dict[str, Any]) -> Iterator[None
         original_fit(*bound.args, **bound.kwargs)
     ```
     """
-    state = getattr(model, _STATE, None)
-    if not isinstance(state, _State):
+    state = _state_of(model)
+    if state is None:
         yield
         return
     wanted: dict[str, ReplicaVariant | None] = {}

@@ -1,0 +1,292 @@
+"""`make_dataset`: the `tf.data.Dataset` to hand `model.fit` under a distribution.
+
+The tutorial's pipeline (`x / 255.0`, `from_tensor_slices`, `shuffle(10000)`,
+`experimental_distribute_dataset`) turns uint8 images into float64 (8x the memory), copies
+them into the dataset and again into the distributed dataset. Here the arrays stay in their
+stored dtype; each epoch shuffles *indices* (a permutation keyed on `(seed, epoch)`), gathers
+one batch at a time and only then runs `preprocess` (for example the cast to float), so the
+dataset holds one copy of the arrays in their stored dtype (besides the caller's own).
+
+The permutation is keyed on the epoch, not on a random generator's state, so a run that
+resumes at epoch `e` sees exactly the order an uninterrupted run saw at epoch `e`, and a
+`DatasetCursor` can start an epoch part-way through. `SyncedCheckpoint(dataset=...)` uses
+that to resume mid-epoch without training any batch twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from keras_mirror_kit.data.cursor import DatasetCursor
+from keras_mirror_kit.data.info import DatasetInfo, record_dataset
+from keras_mirror_kit.data.preprocess import (
+    PREPROCESS_ON,
+    ReplicaVariant,
+    runs_on_replicas_by_default,
+)
+from keras_mirror_kit.validation import non_negative_int, positive_int
+
+__all__ = ["make_dataset"]
+
+
+def _default_replicas() -> int:
+    """The active strategy's replicas; else those of the Distributions created so far."""
+    if tf.distribute.has_strategy():
+        return int(tf.distribute.get_strategy().num_replicas_in_sync)
+    from keras_mirror_kit.distribution import known_replica_counts
+
+    counts = known_replica_counts()
+    return max(counts) if counts else 1
+
+
+def _multi_worker_expected() -> bool:
+    if tf.distribute.has_strategy() and isinstance(
+        tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy
+    ):
+        return True
+    from keras_mirror_kit.multi_worker.cluster import tf_config_num_workers
+
+    return tf_config_num_workers() > 1
+
+
+def make_dataset(
+    x: Any,
+    y: Any = None,
+    batch_size: int | None = None,
+    *,
+    shuffle: bool = True,
+    seed: int | None = None,
+    preprocess: Callable[[Any], Any] | None = None,
+    preprocess_on: str = "auto",
+    drop_remainder: bool | None = None,
+    num_replicas: int | None = None,
+    prefetch: bool = True,
+) -> tf.data.Dataset:
+    """Builds a memory-frugal, resumable `tf.data.Dataset` of batches for `model.fit`.
+
+    Hand the result to `model.fit` as it is: Keras distributes it over the replicas (do not
+    call `experimental_distribute_dataset` yourself; that copies the data again).
+
+    Args:
+        x: Features: a NumPy array (or a tuple/dict of arrays with the same first dim).
+        y: Labels with the same first dimension, or None.
+        batch_size: The GLOBAL batch size (e.g. `dist.global_batch_size`).
+        shuffle: Shuffle the order every epoch (a permutation keyed on seed and epoch).
+        seed: Shuffle seed; with a seed, the order of every epoch is reproducible. A random
+            one is drawn when None (single host only: a multi-worker run needs the same
+            seed on every worker); `SyncedCheckpoint` saves it, so a resume reuses it.
+        preprocess: Function applied to each batch of `x` after batching (for example
+            `kmk.rescale()` to cast uint8 images to float in [0, 1]).
+        preprocess_on: Where `preprocess` runs for a model built by the kit (a
+            `@kmk.distributed` factory or a `with kmk.distributed(...)` block): `"replica"`
+            (its `fit`, `evaluate` and `predict` receive the stored dtype, and each replica
+            applies `preprocess` to its slice of the batch on its own device: a quarter of
+            the bytes to copy for uint8 images), `"host"` (in the input pipeline, before
+            the batch is split), or `"auto"` (the default: `"replica"` for `kmk.rescale()`,
+            which works sample by sample, `"host"` for any other function, which might
+            depend on the whole batch or use ops that cannot run on the device). Pass
+            `"replica"` for a function of your own that is per-sample and traceable. Any
+            other consumer of the dataset (a plain Keras model, your own loop, or a
+            pipeline built on top of it such as `ds.repeat()`) always gets the
+            host-preprocessed batches.
+        drop_remainder: Drop the last partial batch. Defaults to `shuffle` (dropped for
+            training, kept for evaluation).
+        num_replicas: Replicas the batches are split over, used to check that a kept
+            partial batch leaves no replica empty; defaults to the active strategy's, or
+            else to the largest replica count of the `Distribution`s created so far.
+        prefetch: Add a `prefetch(tf.data.AUTOTUNE)` at the end.
+
+    Returns:
+        A `tf.data.Dataset` of `(x_batch, y_batch)` (or `x_batch`) with known cardinality,
+        auto-shard policy DATA and tf.data autotuning off (see
+        `keras_mirror_kit.workarounds.tf_data_iterator_stall`). The kit records its
+        `DatasetCursor` (see `cursor_of`) and where `preprocess` runs (see
+        `preprocess_placement`). Iterated, it always yields the preprocessed batches.
+
+    Raises:
+        TypeError: On a missing or non-integer batch size or a non-callable `preprocess`.
+        ValueError: On an empty dataset, arrays of different lengths, a non-positive batch
+            size, a batch larger than the data when dropping the remainder, a partial
+            final batch that would leave a replica empty, an unknown `preprocess_on`, or
+            `preprocess_on="replica"` without a `preprocess`.
+
+    Example:
+
+    ```python
+    dist = build_model.distribution
+    train_ds = kmk.make_dataset(x_train, y_train, dist.global_batch_size, seed=0,
+                                preprocess=kmk.rescale())
+    model.fit(train_ds, epochs=10)
+    ```
+    """
+    batch_size = _check_batch_size(batch_size)
+    placement = _placement(preprocess, preprocess_on)
+    if seed is not None:
+        seed = non_negative_int("seed", seed)
+    elif shuffle and _multi_worker_expected():
+        raise ValueError(
+            "make_dataset() needs a `seed` in a multi-worker run: every worker must shuffle "
+            "in the same order before the data is sharded, or the workers' slices of a "
+            "global batch overlap. Pass the same seed on every worker. Received: seed=None"
+        )
+    replicas = (
+        _default_replicas() if num_replicas is None else positive_int("num_replicas", num_replicas)
+    )
+    drop = shuffle if drop_remainder is None else bool(drop_remainder)
+    arrays = (x,) if y is None else (x, y)
+    n = _num_samples(arrays)
+    num_batches = _num_batches(n, batch_size, drop, replicas)
+    seed_given = seed is not None
+    if seed is None:
+        seed = int(np.random.default_rng().integers(0, 2**31 - 1))
+
+    with tf.device("/cpu:0"):
+        tensors = tf.nest.map_structure(tf.convert_to_tensor, arrays)
+    cursor = DatasetCursor(num_batches, seed=seed, seed_given=seed_given, num_samples=n)
+    indices = _batch_indices(cursor, n, batch_size, num_batches, shuffle)
+    info = DatasetInfo(
+        cursor,
+        batch_size,
+        epoch_samples=n if not drop else num_batches * batch_size,
+        preprocess_on=placement,
+    )
+
+    def build(apply: Callable[[Any], Any] | None, dataset_info: DatasetInfo) -> tf.data.Dataset:
+        def gather(index: tf.Tensor) -> Any:
+            picked = tf.nest.map_structure(lambda t: tf.gather(t, index), tensors)
+            features = picked[0] if apply is None else apply(picked[0])
+            return features if y is None else (features, picked[1])
+
+        dataset = indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        if prefetch:
+            dataset = dataset.prefetch(tf.data.AUTOTUNE)
+        dataset = _with_kit_options(dataset)
+        record_dataset(dataset, dataset_info)
+        return dataset
+
+    if placement != "replica":
+        return build(preprocess, info)
+    assert preprocess is not None
+    stored = tf.nest.map_structure(
+        lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), tensors[0]
+    )
+    variant = ReplicaVariant(
+        preprocess,
+        y is not None,
+        stored,
+        lambda twin: build(None, dataclasses.replace(info, variant=twin)),
+        requested=preprocess_on == "replica",
+    )
+    return build(preprocess, dataclasses.replace(info, variant=variant))
+
+
+def _check_batch_size(batch_size: Any) -> int:
+    if batch_size is None:
+        raise TypeError(
+            "make_dataset() needs `batch_size` (the global batch size, e.g. "
+            "`dist.global_batch_size`). Received: batch_size=None"
+        )
+    return positive_int("batch_size", batch_size)
+
+
+def _placement(preprocess: Any, preprocess_on: str) -> str | None:
+    """Where `preprocess` runs for kit-built models: "replica", "host" or None (none given)."""
+    if preprocess is not None and not callable(preprocess):
+        raise TypeError(f"`preprocess` must be callable. Received: preprocess={preprocess!r}")
+    if preprocess_on not in PREPROCESS_ON:
+        raise ValueError(
+            f"`preprocess_on` must be one of {', '.join(map(repr, PREPROCESS_ON))}. "
+            f"Received: preprocess_on={preprocess_on!r}"
+        )
+    if preprocess is None:
+        if preprocess_on == "replica":
+            raise ValueError(
+                "preprocess_on='replica' moves `preprocess` onto the replicas, but no "
+                "`preprocess` was given. Pass one (for example preprocess=kmk.rescale()) or "
+                "leave preprocess_on at its default. Received: preprocess=None, "
+                "preprocess_on='replica'"
+            )
+        return None
+    if preprocess_on == "replica" or (
+        preprocess_on == "auto" and runs_on_replicas_by_default(preprocess)
+    ):
+        return "replica"
+    return "host"
+
+
+def _num_samples(arrays: tuple[Any, ...]) -> int:
+    lengths = {len(leaf) for part in arrays for leaf in tf.nest.flatten(part)}
+    if len(lengths) != 1:
+        raise ValueError(
+            "All arrays given to make_dataset() must have the same first dimension. "
+            f"Received lengths: {sorted(lengths)}"
+        )
+    n = lengths.pop()
+    if n == 0:
+        raise ValueError("make_dataset() received empty arrays. Received: len(x)=0")
+    return n
+
+
+def _num_batches(n: int, batch_size: int, drop: bool, replicas: int) -> int:
+    if drop and batch_size > n:
+        raise ValueError(
+            f"`batch_size` ({batch_size}) is larger than the data ({n} samples), so with "
+            "drop_remainder=True every batch would be dropped. Use a smaller batch size or "
+            f"drop_remainder=False. Received: batch_size={batch_size}"
+        )
+    remainder = n % batch_size
+    if not drop and remainder and remainder % replicas:
+        raise ValueError(
+            f"The last batch would hold {remainder} samples, which does not split evenly over "
+            f"{replicas} replicas (Keras cannot train or evaluate on an uneven or empty "
+            "per-replica batch). Pass drop_remainder=True, or use a batch size that leaves a "
+            f"remainder divisible by {replicas}. Received: batch_size={batch_size}, len(x)={n}"
+        )
+    return n // batch_size if drop else math.ceil(n / batch_size)
+
+
+def _batch_indices(
+    cursor: DatasetCursor, n: int, batch_size: int, num_batches: int, shuffle: bool
+) -> tf.data.Dataset:
+    """One epoch of index batches, from the cursor's (epoch, skip, seed) at its first batch."""
+
+    def next_batch(state: Any, step: tf.Tensor) -> Any:
+        # The state lives per iterator: on its first batch, read the cursor and compute
+        # that epoch's order; later batches reuse it.
+        def fresh() -> Any:
+            epoch, skip, seed_now = cursor._take()  # noqa: SLF001
+            order = tf.range(n, dtype=tf.int64)
+            if shuffle:
+                order = tf.random.experimental.stateless_shuffle(
+                    order, seed=tf.stack([seed_now, epoch])
+                )
+            return epoch, skip, order
+
+        epoch, skip, order = tf.cond(state[0] < 0, fresh, lambda: state)
+        position = (step + skip) % num_batches
+        start = position * batch_size
+        index = order[start : tf.minimum(start + batch_size, n)]
+        return (epoch, skip, order), index
+
+    initial = (tf.constant(-1, tf.int64), tf.constant(0, tf.int64), tf.zeros([n], tf.int64))
+    return tf.data.Dataset.range(num_batches).scan(initial, next_batch)
+
+
+def _with_kit_options(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """Auto-shard by DATA, and no tf.data autotuning model thread.
+
+    Destroying an iterator whose autotuning thread is asleep can block for up to 60 s (a
+    TensorFlow lost wake-up; `keras_mirror_kit.workarounds.tf_data_iterator_stall`), and
+    Keras destroys one at every epoch end. The map and prefetch keep AUTOTUNE, which then
+    means TensorFlow's fixed defaults (as fast here: gather and cast are cheap).
+    """
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    options.autotune.enabled = False
+    return dataset.with_options(options)
