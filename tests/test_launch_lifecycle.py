@@ -32,8 +32,8 @@ from keras_mirror_kit.multi_worker import launch
 from tests.processes import alive, assert_none_left, kill
 
 REPO = Path(__file__).resolve().parent.parent
-# Runs alone: the standard library and the import-free keras_mirror_kit.multi_worker.
-LAUNCHER = REPO / "keras_mirror_kit" / "multi_worker" / "launch.py"
+# The launcher as a program: the standard library and the import-free keras_mirror_kit packages.
+LAUNCHER = [sys.executable, "-m", "keras_mirror_kit.multi_worker.launch"]
 HANG_S = 120
 
 # Every worker records its pid (and its helper's) in pids-<rank>.json. A worker that
@@ -191,7 +191,7 @@ def test_no_worker_outlives_the_launcher(tmp_path, job, out, sig, form, off):
         run_sh.write_text(f'#!/bin/sh\n"{sys.executable}" "{job}" "$@"\necho after\n')
         run_sh.chmod(0o755)
         target = ["--", str(run_sh)]
-    env = dict(os.environ)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop(launch.NO_PDEATHSIG_ENV, None)
     env.pop(launch.NO_WATCHDOG_ENV, None)
     if off is not None:
@@ -199,8 +199,8 @@ def test_no_worker_outlives_the_launcher(tmp_path, job, out, sig, form, off):
     stderr_path = tmp_path / "launcher.err"
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, str(LAUNCHER), "-n", "2", "--grace", "1", "--startup-timeout",
-             "0", *target, str(out), "hang-helper"],
+            [*LAUNCHER, "-n", "2", "--grace", "1", "--startup-timeout", "0", *target,
+             str(out), "hang-helper"],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

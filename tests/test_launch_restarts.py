@@ -30,7 +30,9 @@ from tests import preemption_runs as runs
 from tests.processes import assert_none_left
 
 SEED = 20261130
-LAUNCHER = Path(launch.__file__)  # runs alone: standard library only
+REPO = Path(__file__).resolve().parent.parent
+# The launcher as a program: the standard library and the import-free keras_mirror_kit packages.
+LAUNCHER = [sys.executable, "-m", "keras_mirror_kit.multi_worker.launch"]
 
 # Each worker appends its attempt to attempts-<rank> and records its pid; then acts on the
 # mode for that attempt ("ok", "fail", "kill", "preempted", "early", "hang", "slow-75").
@@ -173,8 +175,9 @@ def test_a_worker_that_leaves_early_is_not_restarted(capsys, job, out):
 
 def test_a_signal_to_the_launcher_is_not_restarted(job, out):
     launcher = subprocess.Popen(
-        [sys.executable, str(LAUNCHER), "-n", "2", "--grace", "1", "--max-restarts", "3",
-         str(job), str(out), "hang"],
+        [*LAUNCHER, "-n", "2", "--grace", "1", "--max-restarts", "3", str(job), str(out),
+         "hang"],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:

@@ -27,6 +27,7 @@ from tensorflow.python.distribute import multi_worker_util
 import keras_mirror_kit as kmk
 from keras_mirror_kit.multi_worker import cluster, launch
 from keras_mirror_kit.multi_worker.cluster import parse_tf_config
+from keras_mirror_kit.multi_worker.launch.options import _split_argv
 from keras_mirror_kit.workarounds import keras_multi_worker_fit
 from tests.processes import alive, assert_none_left, kill
 from tests.subproc import last_json, python_on_path, run_python
@@ -403,7 +404,7 @@ def script(tmp_path):
 
 
 def test_launch_argument_splitting():
-    split = launch._split_argv
+    split = _split_argv
     assert split(["-n", "2", "train.py", "--epochs", "3"]) == (
         ["-n", "2"],
         ["train.py", "--epochs", "3"],
@@ -608,12 +609,13 @@ def _ignore_sigint() -> None:
 
 @pytest.mark.parametrize("inherited", ["default", "ignored"])
 def test_launch_forwards_ctrl_c(script, tmp_path, inherited):
-    # The launcher file runs alone (the standard library and the import-free
-    # keras_mirror_kit.multi_worker package, no TensorFlow). "ignored": a shell
-    # starts background jobs with SIGINT ignored; a SIGINT sent to the launcher still counts.
+    # The launcher as a program (python -m: the standard library and the import-free
+    # keras_mirror_kit packages, no TensorFlow). "ignored": a shell starts background
+    # jobs with SIGINT ignored; a SIGINT sent to the launcher still counts.
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "keras_mirror_kit" / "multi_worker" / "launch.py"), "-n",
-         "2", "--grace", "1", str(script), str(tmp_path), "hang"],
+        [sys.executable, "-m", "keras_mirror_kit.multi_worker.launch", "-n", "2", "--grace",
+         "1", str(script), str(tmp_path), "hang"],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -34,7 +34,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_mirror_kit.multi_worker import GPU_ENV, READY_FILE_ENV, visible_gpus
+from keras_mirror_kit.multi_worker import READY_FILE_ENV
+from keras_mirror_kit.multi_worker.gpus import GPU_ENV, visible_gpus
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_ENV",
