@@ -22,7 +22,8 @@ in an order that rotates from round to round; then each is evaluated on the same
 Reported per condition: training samples/s (median over rounds; from the end of the
 `--warmup`-th step to the epoch's end, counted in steps so that `steps_per_execution` is
 timed alike; no validation), its ratio to the tutorial (median of the per-round ratios),
-FLOP/s (samples/s x the kit's count of FLOPs per training sample, `keras_mirror_kit.flops`),
+FLOP/s (samples/s x the kit's count of FLOPs per training sample,
+`keras_mirror_kit.throughput.flops`),
 MFU (FLOP/s over this CPU's matmul roof in the condition's compute dtype: the roof stored by
 `keras-mirror-kit bench --roof`, else measured here first), and test accuracy after the
 epochs. The recommended recipe is the fastest whose accuracy is within 1 point of the
@@ -92,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     import tensorflow as tf
 
     from keras_mirror_kit.datasets import make_synthetic_cifar10
-    from keras_mirror_kit.devices import peaks
-    from keras_mirror_kit.flops import count_training_flops
+    from keras_mirror_kit.throughput import peaks
+    from keras_mirror_kit.throughput.flops import count_training_flops
 
     say(f"command: python benchmarks/fastest_recipe.py {' '.join(sys.argv[1:])}".rstrip())
     say(
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def roof_by_dtype() -> dict[str, float]:
     """This CPU's matmul roof per dtype key: the stored one, else measured now."""
-    from keras_mirror_kit.devices import peaks
+    from keras_mirror_kit.throughput import peaks
 
     stored = {key: entry["flops_per_sec"] for key, entry in peaks.load_roof().items()}
     if {"fp32", "bf16"} <= set(stored):

@@ -28,7 +28,6 @@ from keras_mirror_kit._version import __version__
 if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
     from keras_mirror_kit import datasets, models
     from keras_mirror_kit.batch_norm import synchronize_batch_norm
-    from keras_mirror_kit.batching import global_batch_size, per_replica_batch_size
     from keras_mirror_kit.callbacks import (
         ReplicaDivergenceError,
         SyncedCheckpoint,
@@ -49,12 +48,16 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
     from keras_mirror_kit.devices import nccl_available, simulate_replicas
     from keras_mirror_kit.distributed import DistributedFactory, distributed
     from keras_mirror_kit.distribution import Distribution, current
-    from keras_mirror_kit.flops import count_training_flops
-    from keras_mirror_kit.lr_scaling import scale_learning_rate
     from keras_mirror_kit.model_record import distribution_of
     from keras_mirror_kit.multi_worker import PREEMPTED_EXIT_CODE
+    from keras_mirror_kit.scaling import (
+        global_batch_size,
+        per_replica_batch_size,
+        scale_learning_rate,
+    )
     from keras_mirror_kit.schedules import WarmupSchedule
-    from keras_mirror_kit.throughput import ThroughputMeter
+    from keras_mirror_kit.throughput.flops import count_training_flops
+    from keras_mirror_kit.throughput.meter import ThroughputMeter
 
 # Public name -> the module that defines it (a sub-package maps to itself). Keep in step
 # with the TYPE_CHECKING imports above and `__all__` (tests/test_packaging.py checks).
@@ -67,7 +70,7 @@ _LAZY: dict[str, str] = {
     "DistributedFactory": "keras_mirror_kit.distributed",
     "ReplicaDivergenceError": "keras_mirror_kit.callbacks",
     "SyncedCheckpoint": "keras_mirror_kit.callbacks",
-    "ThroughputMeter": "keras_mirror_kit.throughput",
+    "ThroughputMeter": "keras_mirror_kit.throughput.meter",
     "ThroughputMonitor": "keras_mirror_kit.callbacks",
     "WarmupSchedule": "keras_mirror_kit.schedules",
     "current": "keras_mirror_kit.distribution",
@@ -75,13 +78,13 @@ _LAZY: dict[str, str] = {
     "datasets": "keras_mirror_kit.datasets",
     "distributed": "keras_mirror_kit.distributed",
     "distribution_of": "keras_mirror_kit.model_record",
-    "global_batch_size": "keras_mirror_kit.batching",
+    "global_batch_size": "keras_mirror_kit.scaling",
     "make_dataset": "keras_mirror_kit.data.pipeline",
     "models": "keras_mirror_kit.models",
     "nccl_available": "keras_mirror_kit.devices",
-    "per_replica_batch_size": "keras_mirror_kit.batching",
+    "per_replica_batch_size": "keras_mirror_kit.scaling",
     "rescale": "keras_mirror_kit.data.preprocess",
-    "scale_learning_rate": "keras_mirror_kit.lr_scaling",
+    "scale_learning_rate": "keras_mirror_kit.scaling",
     "simulate_replicas": "keras_mirror_kit.devices",
     "synchronize_batch_norm": "keras_mirror_kit.batch_norm",
     "preprocess_placement": "keras_mirror_kit.data.preprocess",
@@ -90,7 +93,7 @@ _LAZY: dict[str, str] = {
     "StaleLockWarning": "keras_mirror_kit.checkpoint_lock",
     "Preempted": "keras_mirror_kit.callbacks.synced_checkpoint.preemption",
     "PREEMPTED_EXIT_CODE": "keras_mirror_kit.multi_worker",
-    "count_training_flops": "keras_mirror_kit.flops",
+    "count_training_flops": "keras_mirror_kit.throughput.flops",
 }
 
 __all__ = [

@@ -25,7 +25,6 @@ from typing import Any, Generic, ParamSpec, TypeVar
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit.batching import per_replica_batch_size as split_global_batch
 from keras_mirror_kit.devices import (
     configure_from_environment,
     mirrored_strategy,
@@ -33,9 +32,10 @@ from keras_mirror_kit.devices import (
     warn_if_gpus_unused,
 )
 from keras_mirror_kit.distribution import Distribution, activate
-from keras_mirror_kit.lr_scaling import DEFAULT_RULE, validate_rule
 from keras_mirror_kit.model_setup import ModelOptions, prepare_model
 from keras_mirror_kit.precision import policy_scope, validate_policy
+from keras_mirror_kit.scaling import DEFAULT_RULE, validate_rule
+from keras_mirror_kit.scaling import per_replica_batch_size as split_global_batch
 from keras_mirror_kit.validation import check_bool, positive_int
 from keras_mirror_kit.with_block import block, factory_running
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_mirror_kit.lr_scaling import DEFAULT_RULE, scale_learning_rate, validate_rule
+from keras_mirror_kit.scaling import DEFAULT_RULE, scale_learning_rate, validate_rule
 from keras_mirror_kit.validation import positive_int
 
 __all__ = ["Distribution", "activate", "current", "distributions_alive", "known_replica_counts"]

@@ -1,10 +1,10 @@
-"""FLOPs per training sample (`keras_mirror_kit.flops`) against hand counts, layer by layer.
+"""FLOPs per training sample (`keras_mirror_kit.throughput.flops`) against hand counts.
 
-The hand counts follow the convention `keras_mirror_kit/flops.py` states: a multiply-add is
-2 FLOPs; the backward pass is the weight gradients plus the input gradients of every layer
-but the first; a bias add, its gradient and a pooling window element are 1 FLOP per
-element. Each count must be within 2% of the hand count (the loss's own few FLOPs are the
-only thing the hand counts leave out).
+Layer by layer. The hand counts follow the convention `keras_mirror_kit/throughput/flops.py`
+states: a multiply-add is 2 FLOPs; the backward pass is the weight gradients plus the input
+gradients of every layer but the first; a bias add, its gradient and a pooling window
+element are 1 FLOP per element. Each count must be within 2% of the hand count (the loss's
+own few FLOPs are the only thing the hand counts leave out).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit.flops import (
+from keras_mirror_kit.throughput.flops import (
     FlopCount,
     count_training_flops,
     model_compute_dtype,

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from keras_mirror_kit.devices import peaks
-from keras_mirror_kit.devices.peaks import (
+from keras_mirror_kit.throughput import peaks
+from keras_mirror_kit.throughput.peaks import (
     COMPUTE_DTYPES,
     GPU_PEAKS,
     compute_dtype_key,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from keras_mirror_kit.throughput import FIGURE_KEYS, ThroughputMeter
+from keras_mirror_kit.throughput.meter import FIGURE_KEYS, ThroughputMeter
 from keras_mirror_kit.validation import optional_positive_number
 
 
@@ -373,7 +373,7 @@ def test_module_does_not_import_a_framework():
     import ast
     import inspect
 
-    import keras_mirror_kit.throughput as module
+    import keras_mirror_kit.throughput.meter as module
 
     tree = ast.parse(inspect.getsource(module))
     imported = {
@@ -390,7 +390,7 @@ def test_module_does_not_import_a_framework():
 
 
 def test_per_worker_figure_only_in_multi_worker_runs():
-    from keras_mirror_kit.throughput import ThroughputMeter
+    from keras_mirror_kit.throughput.meter import ThroughputMeter
 
     now = [0.0]
     for workers, expected in ((1, None), (4, 256.0)):
@@ -410,7 +410,7 @@ def test_per_worker_figure_only_in_multi_worker_runs():
 
 def test_flop_figures_and_mfu_once_flops_and_peak_are_known():
     """Issue 14: flops_per_sec = samples/s x FLOPs per sample; mfu over the peak given."""
-    from keras_mirror_kit.throughput import FLOP_KEYS
+    from keras_mirror_kit.throughput.meter import FLOP_KEYS
 
     clock = FakeClock()
     meter = make(clock)  # 32 samples per step, 4 replicas

@@ -18,9 +18,9 @@ import pytest
 
 import keras_mirror_kit as kmk
 from keras_mirror_kit.callbacks import ThroughputMonitor
-from keras_mirror_kit.devices.peaks import cpu_name, store_roof
-from keras_mirror_kit.flops import count_training_flops
-from keras_mirror_kit.throughput import FIGURE_KEYS, FLOP_KEYS
+from keras_mirror_kit.throughput.flops import count_training_flops
+from keras_mirror_kit.throughput.meter import FIGURE_KEYS, FLOP_KEYS
+from keras_mirror_kit.throughput.peaks import cpu_name, store_roof
 from tests import models
 
 pytestmark = pytest.mark.filterwarnings("ignore:`shuffle=True` was passed:UserWarning")

@@ -1,6 +1,6 @@
 """`ThroughputMonitor`: samples/s, per-replica samples/s, steps/s, step time, FLOP/s and MFU.
 
-A thin Keras callback over `keras_mirror_kit.throughput.ThroughputMeter`, which does the
+A thin Keras callback over `keras_mirror_kit.throughput.meter.ThroughputMeter`, which does the
 arithmetic. The callback only reads `time.perf_counter()` and Python attributes: it never
 reads a tensor, so it adds no device synchronisation to the training loop.
 """
@@ -15,17 +15,17 @@ from typing import Any
 import keras
 
 from keras_mirror_kit.callbacks.keras_loop import steps_done
-from keras_mirror_kit.devices.peaks import resolve_peak
 from keras_mirror_kit.fit_wrapper import batch_plan
-from keras_mirror_kit.flops import (
+from keras_mirror_kit.model_record import is_chief
+from keras_mirror_kit.throughput.flops import (
     count_training_flops,
     model_compute_dtype,
 )
-from keras_mirror_kit.model_record import is_chief
-from keras_mirror_kit.throughput import (
+from keras_mirror_kit.throughput.meter import (
     BASELINE_MEANING,
     ThroughputMeter,
 )
+from keras_mirror_kit.throughput.peaks import resolve_peak
 from keras_mirror_kit.validation import non_negative_int, optional_positive_number, positive_int
 from keras_mirror_kit.with_block import check_callback_model
 
@@ -64,12 +64,12 @@ class ThroughputMonitor(keras.callbacks.Callback):
       (num_replicas * baseline_samples_per_sec)`; 1.0 is perfect linear scaling;
     - `flops_per_sec`: `samples_per_sec x` the FLOPs of one training sample (forward and
       backward, a multiply-add as 2), which the kit counts once per model from its traced
-      computation (`keras_mirror_kit.flops`) before the first step, or at the first epoch's
-      end for a model not built yet; `flops_per_sample=` gives it instead;
+      computation (`keras_mirror_kit.throughput.flops`) before the first step, or at the
+      first epoch's end for a model not built yet; `flops_per_sample=` gives it instead;
     - `flops_per_sec_per_replica`: `flops_per_sec / num_replicas`;
     - `mfu` (model FLOPs utilisation, when the peak is known): `flops_per_sec` over the
       peak FLOP/s of the devices the replicas run on, from the GPU table for the model's
-      compute dtype (`keras_mirror_kit.devices.peaks`), the CPU roof stored by
+      compute dtype (`keras_mirror_kit.throughput.peaks`), the CPU roof stored by
       `keras-mirror-kit bench --roof`, or `peak_flops=`. Unknown: no `mfu` and one INFO
       line saying how to give the peak.
 

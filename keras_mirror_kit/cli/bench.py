@@ -3,7 +3,7 @@
 Each replica count runs in its own process (the hidden `_bench-worker` sub-command), since
 logical devices can only be set up before TensorFlow initialises. `bench --roof` instead
 measures this CPU's matmul roof per dtype and stores it where `ThroughputMonitor` (and so
-the MFU column of `bench`) finds it (`keras_mirror_kit.devices.peaks.roof_path()`).
+the MFU column of `bench`) finds it (`keras_mirror_kit.throughput.peaks.roof_path()`).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _roof(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--roof-size must be positive. Received: {args.roof_size}")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ["CUDA_VISIBLE_DEVICES"] = "-1"  # the CPU's roof, whatever GPUs there are
-    from keras_mirror_kit.devices import peaks
+    from keras_mirror_kit.throughput import peaks
 
     measured = {}
     rows = [f"{'dtype':<10} {'GFLOP/s':>10}   ({peaks.cpu_name()}, {args.roof_size}^2 matmuls)"]

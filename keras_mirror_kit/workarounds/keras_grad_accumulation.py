@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import Any
 
 import keras
@@ -69,7 +70,7 @@ logger = logging.getLogger("keras_mirror_kit")
 UPSTREAM = "keras-team/keras#20582"
 #: Keras versions the workaround was tested on: `low <= version < high`.
 TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
-_FIXED = "_kmk_accumulation_fixed"
+_FIXED: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers `apply` fixed
 
 
 def accumulating_optimizer(optimizer: Any) -> Any:
@@ -133,7 +134,10 @@ def is_fixed(optimizer: Any) -> bool:
     assert is_fixed(accumulating_optimizer(model.optimizer))
     ```
     """
-    return bool(getattr(optimizer, _FIXED, False))
+    try:
+        return optimizer in _FIXED
+    except TypeError:  # not weak-referenceable
+        return False
 
 
 def _refusal(steps: int) -> ValueError:
@@ -228,7 +232,7 @@ def _install(optimizer: Any) -> None:
 
     # On the instance, bypassing Keras' attribute tracking; the class is untouched.
     object.__setattr__(optimizer, "_backend_apply_gradients", backend_apply_gradients)
-    object.__setattr__(optimizer, _FIXED, True)
+    _FIXED.add(optimizer)
     logger.debug("keras-mirror-kit: %s: accumulation runs under the strategy", UPSTREAM)
 
 

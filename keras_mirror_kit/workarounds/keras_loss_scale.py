@@ -42,6 +42,7 @@ import functools
 import inspect
 import logging
 import re
+import weakref
 from typing import Any
 
 import keras
@@ -56,8 +57,8 @@ logger = logging.getLogger("keras_mirror_kit")
 UPSTREAM = "keras-team/keras#18691"
 #: Keras versions the workaround was tested on: `low <= version < high`.
 TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
-_FIXED = "_kmk_loss_scale_agrees"
-_FOLLOWS_COMPILE = "_kmk_loss_scale_follows_compile"
+_FIXED: weakref.WeakSet[Any] = weakref.WeakSet()  # LossScaleOptimizers `apply` fixed
+_FOLLOWING: weakref.WeakSet[Any] = weakref.WeakSet()  # models whose compile() re-applies it
 _FIRST_REPLICA_FLAG = re.compile(r"experimental_local_results\(\s*finite_per_replica\s*\)\s*\[0\]")
 
 
@@ -113,7 +114,10 @@ def is_fixed(optimizer: Any) -> bool:
     assert is_fixed(model.optimizer)
     ```
     """
-    return bool(getattr(optimizer, _FIXED, False))
+    try:
+        return optimizer in _FIXED
+    except TypeError:  # not weak-referenceable
+        return False
 
 
 def _agreed(finite: tf.Tensor) -> tf.Tensor:
@@ -159,14 +163,14 @@ def _fix_optimizer(optimizer: Any, replicas: int) -> bool:
 
     # On the instance, bypassing Keras' attribute tracking; the class is untouched.
     object.__setattr__(optimizer, "check_finite", check_finite)
-    object.__setattr__(optimizer, _FIXED, True)
+    _FIXED.add(optimizer)
     logger.debug("keras-mirror-kit: %s agrees on finite gradients across replicas", UPSTREAM)
     return True
 
 
 def _follow_compile(model: Any, replicas: int) -> None:
     """Re-applies the fix after every later `compile()` of this model instance."""
-    if getattr(model, _FOLLOWS_COMPILE, False):
+    if model in _FOLLOWING:
         return
     original = model.compile
 
@@ -177,7 +181,7 @@ def _follow_compile(model: Any, replicas: int) -> None:
         return result
 
     object.__setattr__(model, "compile", compile)
-    object.__setattr__(model, _FOLLOWS_COMPILE, True)
+    _FOLLOWING.add(model)
 
 
 def apply(model: Any, strategy: tf.distribute.Strategy) -> bool:

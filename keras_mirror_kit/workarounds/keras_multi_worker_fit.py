@@ -78,7 +78,7 @@ UPSTREAM_ISSUES = ("keras-team/keras#20585", "tensorflow/tensorflow#72388")
 TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
 ENV_VAR = "KMK_KERAS_WORKAROUND"
 _MODES = ("auto", "on", "off")
-_MARK = "_kmk_multi_worker_workaround"
+_INSTALLED: list[Any] = []  # the two replacements `_install` set, while they are set
 
 # The two calls that fail under a multi-worker strategy, as they read in Keras' source.
 _SYMBOLIC_BUILD_BUG = re.compile(r"distribute_strategy\.reduce\(")
@@ -204,9 +204,9 @@ def is_applied() -> bool:
     """
     try:
         trainer = _trainer_module()
-        return bool(
-            getattr(trainer.reduce_per_replica, _MARK, False)
-            and getattr(trainer.TensorFlowTrainer._maybe_symbolic_build, _MARK, False)
+        return (
+            trainer.reduce_per_replica in _INSTALLED
+            and trainer.TensorFlowTrainer._maybe_symbolic_build in _INSTALLED
         )
     except (ImportError, AttributeError):
         return False
@@ -341,8 +341,7 @@ def _install() -> None:
 
         return tf.nest.map_structure(mean_over_all_replicas, values)
 
-    setattr(_maybe_symbolic_build, _MARK, True)
-    setattr(reduce_per_replica, _MARK, True)
+    _INSTALLED[:] = [_maybe_symbolic_build, reduce_per_replica]
     trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
     trainer.reduce_per_replica = reduce_per_replica
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -71,7 +72,7 @@ logger = logging.getLogger("keras_mirror_kit")
 #: The model methods `apply` runs inside `per_device_autotune_disabled()`.
 PATCHED_METHODS = ("fit", "evaluate", "predict")
 
-_APPLIED_FLAG = "_kmk_fit_stall_workaround"
+_APPLIED: weakref.WeakSet[Any] = weakref.WeakSet()  # models `apply` wrapped
 _TARGET_MODULE = "tensorflow.python.data.ops.multi_device_iterator_ops"
 _TARGET_NAME = "_create_device_dataset"
 
@@ -135,7 +136,6 @@ def _install() -> bool:
             dataset = without_autotune(dataset)
         return dataset
 
-    create_device_dataset._kmk_original = original  # type: ignore[attr-defined]
     setattr(module, _TARGET_NAME, create_device_dataset)
     _installed = True
     return True
@@ -184,7 +184,10 @@ def is_applied(model: Any) -> bool:
     assert is_applied(apply(model))
     ```
     """
-    return bool(getattr(model, _APPLIED_FLAG, False))
+    try:
+        return model in _APPLIED
+    except TypeError:  # not weak-referenceable
+        return False
 
 
 def _wrap(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -220,5 +223,5 @@ def apply(model: M) -> M:
         method = getattr(model, name, None)
         if callable(method):
             object.__setattr__(model, name, _wrap(method))
-    object.__setattr__(model, _APPLIED_FLAG, True)
+    _APPLIED.add(model)
     return model
