@@ -14,27 +14,15 @@ updates, as without accumulation.
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import keras
 from keras.optimizers.schedules import LearningRateSchedule
 
 from keras_mirror_kit.distribution import current
-from keras_mirror_kit.validation import positive_int
+from keras_mirror_kit.validation import non_negative_number, positive_int, positive_number
 
 __all__ = ["WarmupSchedule", "check_accumulation"]
-
-
-def _positive_float(name: str, value: object, allow_zero: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"`{name}` must be a number. Received: {name}={value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        kind = "non-negative" if allow_zero else "positive"
-        raise ValueError(f"`{name}` must be a {kind}, finite number. Received: {name}={value}")
-    return value
 
 
 @keras.saving.register_keras_serializable(package="keras_mirror_kit")
@@ -95,16 +83,14 @@ class WarmupSchedule(LearningRateSchedule):
         self.gradient_accumulation_steps = positive_int(
             "gradient_accumulation_steps", gradient_accumulation_steps
         )
-        self.target_learning_rate = _positive_float("target_learning_rate", target_learning_rate)
+        self.target_learning_rate = positive_number("target_learning_rate", target_learning_rate)
         self.warmup_steps = positive_int("warmup_steps", warmup_steps)
         if scale_factor is not None:
-            scale_factor = _positive_float("scale_factor", scale_factor)
+            scale_factor = positive_number("scale_factor", scale_factor)
         self.scale_factor = scale_factor
         if start_learning_rate is None:
             start_learning_rate = self.target_learning_rate / scale_factor if scale_factor else 0.0
-        self.start_learning_rate = _positive_float(
-            "start_learning_rate", start_learning_rate, allow_zero=True
-        )
+        self.start_learning_rate = non_negative_number("start_learning_rate", start_learning_rate)
         if after is not None and not isinstance(after, LearningRateSchedule):
             raise TypeError(
                 "`after` must be a keras.optimizers.schedules.LearningRateSchedule or None. "

@@ -14,6 +14,7 @@ import numbers
 __all__ = [
     "check_bool",
     "non_negative_int",
+    "non_negative_number",
     "optional_positive_number",
     "positive_int",
     "positive_number",
@@ -32,128 +33,46 @@ def _int(name: str, value: object, minimum: int, kind: str) -> int:
 
 
 def positive_int(name: str, value: object) -> int:
-    """Checks that `value` is a positive integer (bools are rejected).
-
-    Args:
-        name: The argument's name, used in the error message.
-        value: The value to check.
-
-    Returns:
-        `value` as an `int`.
-
-    Raises:
-        TypeError: If `value` is not an integer.
-        ValueError: If `value` is zero or negative.
-
-    Example:
-
-    ```python
-    positive_int("batch_size", 64)  # -> 64
-    ```
-    """
+    """`value` as an int if it is an integer >= 1 (bools are refused)."""
     return _int(name, value, 1, "positive")
 
 
 def non_negative_int(name: str, value: object) -> int:
-    """Checks that `value` is an integer >= 0 (bools are rejected).
-
-    Args:
-        name: The argument's name, used in the error message.
-        value: The value to check.
-
-    Returns:
-        `value` as an `int`.
-
-    Raises:
-        TypeError: If `value` is not an integer.
-        ValueError: If `value` is negative.
-
-    Example:
-
-    ```python
-    non_negative_int("seed", 0)  # -> 0
-    ```
-    """
+    """`value` as an int if it is an integer >= 0 (bools are refused)."""
     return _int(name, value, 0, "non-negative")
 
 
-def positive_number(name: str, value: object, meaning: str = "") -> float:
-    """Checks that `value` is a positive, finite real number (bools are rejected).
-
-    Args:
-        name: The argument's name, used in the error message.
-        value: The value to check.
-        meaning: What the number is, added to the type error (e.g. "the peak FLOP/s of one
-            device").
-
-    Returns:
-        `value` as a `float`.
-
-    Raises:
-        TypeError: If `value` is not a real number.
-        ValueError: If `value` is zero, negative, NaN or infinite.
-
-    Example:
-
-    ```python
-    positive_number("peak_flops", 312e12)  # -> 312000000000000.0
-    ```
-    """
+def _number(name: str, value: object, allow_zero: bool, meaning: str) -> float:
+    kind = "non-negative" if allow_zero else "positive"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         what = f" ({meaning})" if meaning else ""
         raise TypeError(
-            f"`{name}` must be a positive number{what}. Received: {name}={value!r} "
+            f"`{name}` must be a {kind} number{what}. Received: {name}={value!r} "
             f"(of type {type(value).__name__})"
         )
     number = float(value)
-    if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"`{name}` must be a positive, finite number. Received: {name}={value}")
+    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+        raise ValueError(f"`{name}` must be a {kind}, finite number. Received: {name}={value}")
     return number
 
 
+def positive_number(name: str, value: object, meaning: str = "") -> float:
+    """`value` as a float if it is a finite real > 0; `meaning` is added to a type error."""
+    return _number(name, value, False, meaning)
+
+
+def non_negative_number(name: str, value: object, meaning: str = "") -> float:
+    """`value` as a float if it is a finite real >= 0; `meaning` is added to a type error."""
+    return _number(name, value, True, meaning)
+
+
 def optional_positive_number(name: str, value: object, meaning: str = "") -> float | None:
-    """Like `positive_number`, but None passes through (an optional figure not given).
-
-    Args:
-        name: The argument's name, used in the error message.
-        value: The value to check, or None.
-        meaning: What the number is, added to the type error.
-
-    Returns:
-        `value` as a `float`, or None.
-
-    Raises:
-        TypeError: If `value` is neither None nor a real number.
-        ValueError: If `value` is zero, negative, NaN or infinite.
-
-    Example:
-
-    ```python
-    optional_positive_number("peak_flops", None)  # -> None
-    ```
-    """
+    """Like `positive_number`, but None passes through (an optional figure not given)."""
     return None if value is None else positive_number(name, value, meaning)
 
 
 def check_bool(name: str, value: object) -> bool:
-    """Checks that `value` is True or False (not merely truthy).
-
-    Args:
-        name: The argument's name, used in the error message.
-        value: The value to check.
-
-    Returns:
-        `value`.
-
-    Raises:
-        TypeError: If `value` is not a bool.
-
-    Example:
-
-    ```python
-    check_bool("async_save", True)  # -> True
-    ```
-    """
+    """`value` if it is True or False (not merely truthy), else a `TypeError`."""
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be True or False. Received: {name}={value!r}")
     return value

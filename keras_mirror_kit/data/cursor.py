@@ -105,8 +105,7 @@ class DatasetCursor:
         cursor.set(epoch=2)
         ```
         """
-        if epoch < 0:
-            raise ValueError(f"`epoch` must be >= 0. Received: epoch={epoch}")
+        epoch = non_negative_int("epoch", epoch)
         if not 0 <= skip_batches < max(1, self.num_batches):
             raise ValueError(
                 f"`skip_batches` must be in [0, {self.num_batches}). "

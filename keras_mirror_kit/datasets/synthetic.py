@@ -13,9 +13,10 @@ well below 100%:
 from __future__ import annotations
 
 import logging
-import numbers
 
 import numpy as np
+
+from keras_mirror_kit.validation import non_negative_int
 
 __all__ = ["make_synthetic_cifar10"]
 
@@ -44,12 +45,6 @@ _TINT_JITTER = 0.06
 _ORIENTATION_JITTER = 0.2  # radians
 _MAX_CONTRAST = 0.3
 _NOISE_STD = 0.2
-
-
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"`{name}` must be a non-negative integer. Received: {name}={value!r}")
-    return int(value)
 
 
 def _chunk(seed: int, split: int, index: int) -> tuple[np.ndarray, np.ndarray]:
@@ -144,9 +139,9 @@ def make_synthetic_cifar10(
     x_train.shape, y_train.shape  # -> ((4000, 32, 32, 3), (4000, 1))
     ```
     """
-    num_train = _check_count("num_train", num_train)
-    num_test = _check_count("num_test", num_test)
-    seed = _check_count("seed", seed)
+    num_train = non_negative_int("num_train", num_train)
+    num_test = non_negative_int("num_test", num_test)
+    seed = non_negative_int("seed", seed)
     logger.info(
         "Generating synthetic CIFAR-10: %d train, %d test images (seed=%d)",
         num_train,

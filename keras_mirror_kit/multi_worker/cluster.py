@@ -36,6 +36,7 @@ import tensorflow as tf
 
 from keras_mirror_kit.multi_worker import READY_FILE_ENV
 from keras_mirror_kit.multi_worker.gpus import GPU_ENV, visible_gpus
+from keras_mirror_kit.validation import non_negative_number
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_ENV",
@@ -449,12 +450,8 @@ def _collective_timeout(value: float | None) -> float | None:
                 f"The environment variable {COLLECTIVE_TIMEOUT_ENV} must be a number of "
                 f"seconds. Received: {COLLECTIVE_TIMEOUT_ENV}={raw!r}"
             ) from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(
-            "`collective_timeout_s` must be a number of seconds >= 0 (0 or None: no limit). "
-            f"Received: collective_timeout_s={value!r}"
-        )
-    return float(value) or None
+    seconds = non_negative_number("collective_timeout_s", value, "seconds; 0 or None: no limit")
+    return seconds or None
 
 
 def _implementation(cross_device_ops: Any) -> Any:
