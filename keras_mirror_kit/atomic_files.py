@@ -115,25 +115,10 @@ def _fsync_dir(directory: Path) -> None:
 def atomic_write(path: Path, write: Callable[[BinaryIO], object], *, direct: bool = False) -> None:
     """Writes a file atomically: `write` fills a temporary file, then fsync, replace, fsync.
 
-    Args:
-        path: Destination file.
-        write: Called with the open temporary file (binary, write-only, not seekable with
-            `direct=True`); it writes the content, in as many pieces as it likes.
-        direct: Write past the page cache (Linux `O_DIRECT`) through an aligned buffer,
-            for big files; an ordinary write where the filesystem refuses it.
-
-    Returns:
-        None.
-
-    Raises:
-        OSError: If any step fails; the temporary file is removed and `path` is untouched.
-            Whatever `write` raises propagates the same way.
-
-    Example:
-
-    ```python
-    atomic_write(Path("dir/notes.txt"), lambda handle: handle.write(b"hello"))
-    ```
+    `write` gets the open temporary file (binary, write-only; not seekable with `direct=True`)
+    and writes the content in as many pieces as it likes. `direct=True` writes past the page
+    cache (module docstring). If any step fails, or `write` raises, the error propagates, the
+    temporary file is removed and `path` is untouched.
     """
     tmp = path.with_name(f".{path.name}.{os.urandom(4).hex()}.tmp")
     try:
@@ -165,24 +150,7 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], object], *, direct: boo
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Writes `data` to `path` atomically (temp file, fsync, replace, fsync directory).
-
-    Args:
-        path: Destination file.
-        data: Bytes to write.
-
-    Returns:
-        None.
-
-    Raises:
-        OSError: If any step fails; the temporary file is removed and `path` is untouched.
-
-    Example:
-
-    ```python
-    atomic_write_bytes(Path("dir/manifest.json"), b"{}")
-    ```
-    """
+    """Writes `data` to `path` atomically (`atomic_write`)."""
     atomic_write(path, lambda handle: handle.write(data))
 
 
@@ -190,25 +158,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 def atomic_path(path: Path) -> Iterator[Path]:
     """A temporary path to write `path` through, for writers that need a file name.
 
-    The body writes the temporary file (any library's `save(path)`); on success it is
-    fsync'ed and moved into place, on failure it is removed and `path` is untouched.
-
-    Args:
-        path: Destination file; its suffix is kept on the temporary name (Keras chooses
-            the format from it).
-
-    Returns:
-        A context manager yielding the temporary path.
-
-    Raises:
-        OSError: If the fsync or the replace fails; the temporary file is removed.
-
-    Example:
-
-    ```python
-    with atomic_path(Path("model.keras")) as tmp:
-        model.save(tmp)
-    ```
+    The body writes the temporary file (any library's `save(tmp)`); on success it is fsync'ed
+    and moved into place, on failure it is removed and `path` is untouched. Its name keeps
+    `path`'s suffix (`.keras`, `.weights.h5`), from which Keras chooses the format.
     """
     suffix = "".join(path.suffixes[-2:]) if path.name.endswith(".weights.h5") else path.suffix
     tmp = path.with_name(f".{path.name}.{os.urandom(4).hex()}.tmp{suffix}")

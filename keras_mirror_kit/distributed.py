@@ -345,20 +345,7 @@ class DistributedFactory(Generic[P, R]):
 
 
 def check_backend() -> None:
-    """Raises a clear error unless Keras runs on the TensorFlow backend.
-
-    Returns:
-        None.
-
-    Raises:
-        RuntimeError: If `keras.backend.backend()` is not `"tensorflow"`.
-
-    Example:
-
-    ```python
-    check_backend()
-    ```
-    """
+    """Raises a `RuntimeError` saying how to select TensorFlow unless Keras runs on it."""
     backend = keras.backend.backend()
     if backend != "tensorflow":
         raise RuntimeError(

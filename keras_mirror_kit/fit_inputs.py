@@ -71,19 +71,9 @@ _KEEPS_BATCH = (
 class BatchPlan:
     """Samples per step of one `fit`/`evaluate`/`predict` call, and per epoch when known.
 
-    Args:
-        batch_size: Samples per full step over all replicas.
-        epoch_samples: Samples in one epoch (its last step may hold fewer than
-            `batch_size`), or None when unknown.
-        known: False when the data's batch size could not be read (a generator, a
-            `PyDataset`, a pipeline that unbatches): `batch_size` is then the
-            distribution's global batch size, assumed.
-
-    Example:
-
-    ```python
-    BatchPlan(batch_size=64, epoch_samples=193).last_batch_size(steps=4)  # 1
-    ```
+    `epoch_samples` may leave a smaller last step. `known=False` when the data's batch size
+    could not be read (a generator, a `PyDataset`, a pipeline that unbatches): `batch_size`
+    is then the distribution's global batch size, assumed.
     """
 
     batch_size: int
@@ -91,20 +81,7 @@ class BatchPlan:
     known: bool = True
 
     def last_batch_size(self, steps: int | None) -> int | None:
-        """Samples in the last step of an epoch of `steps` steps, when it is a smaller one.
-
-        Args:
-            steps: Steps per epoch (Keras' `params["steps"]`), or None.
-
-        Returns:
-            The size of a partial last batch, or None (full, or unknown).
-
-        Example:
-
-        ```python
-        plan.last_batch_size(steps=4)
-        ```
-        """
+        """The size of a `steps`-step epoch's last batch if partial; None if full or unknown."""
         if not steps or self.epoch_samples is None:
             return None
         last = self.epoch_samples - (steps - 1) * self.batch_size
@@ -124,19 +101,8 @@ def is_array_data(x: Any) -> bool:
     """Whether `x` is in-memory arrays that Keras batches itself with `batch_size`.
 
     NumPy arrays, tensors, and anything else Keras' array adapter takes (objects with
-    `__array__` such as pandas frames, sparse tensors and matrices), or a structure of them.
-
-    Args:
-        x: The `x` given to `fit`, `evaluate` or `predict`.
-
-    Returns:
-        True for such arrays; False for datasets, generators, `PyDataset`s and None.
-
-    Example:
-
-    ```python
-    is_array_data(np.zeros((8, 3)))  # True
-    ```
+    `__array__` such as pandas frames, sparse tensors and matrices), or a structure of them;
+    not datasets, generators, `PyDataset`s or None.
     """
     if x is None or isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
         return False
@@ -167,24 +133,7 @@ def plan_batches(
     validation_split: float = 0.0,
     steps_per_epoch: int | None = None,
 ) -> BatchPlan:
-    """The batch one call of `fit`, `evaluate` or `predict` uses (see the module docstring).
-
-    Args:
-        x: The data argument.
-        dist: The model's distribution.
-        batch_size: The call's `batch_size` argument (arrays only).
-        validation_split: `fit`'s `validation_split` (arrays only).
-        steps_per_epoch: `fit`'s `steps_per_epoch` (an epoch is then not one pass).
-
-    Returns:
-        The `BatchPlan`.
-
-    Example:
-
-    ```python
-    plan = plan_batches(x_train, dist)   # arrays: dist.global_batch_size per step
-    ```
-    """
+    """The `BatchPlan` of one `fit`, `evaluate` or `predict` call (see the module docstring)."""
     if is_array_data(x):
         size = int(batch_size) if batch_size else dist.global_batch_size
         samples = _num_samples(x)
@@ -210,21 +159,7 @@ def _find(dataset: Any, through: tuple[str, ...]) -> tuple[DatasetInfo | None, A
 
 
 def dataset_batch_size(dataset: Any) -> int | None:
-    """The batch size a `tf.data.Dataset` yields, when it is known without running it.
-
-    Args:
-        dataset: Any object.
-
-    Returns:
-        The batch size of a `kmk.make_dataset` dataset or of a `batch(n)` pipeline
-        (see the module docstring), else None.
-
-    Example:
-
-    ```python
-    dataset_batch_size(tf.data.Dataset.range(10).batch(4).prefetch(1))  # 4
-    ```
-    """
+    """The batch size a dataset yields, if known without running it (module docstring), or None."""
     info, node = _find(dataset, _KEEPS_BATCH)
     if info is not None:
         return info.batch_size
@@ -235,19 +170,9 @@ def dataset_batch_size(dataset: Any) -> int | None:
 
 
 def dataset_cursor(dataset: Any) -> Any:
-    """The `DatasetCursor` of the `kmk.make_dataset` dataset a pipeline is built on, if any.
+    """The `DatasetCursor` of the `kmk.make_dataset` dataset a pipeline is built on, or None.
 
-    Args:
-        dataset: Any object (for example `make_dataset(...).prefetch(1)`).
-
-    Returns:
-        The cursor, found through transformations that keep the batches, or None.
-
-    Example:
-
-    ```python
-    assert dataset_cursor(ds.repeat()) is kmk.cursor_of(ds)
-    ```
+    Found through transformations that keep the batches (`ds.prefetch(1)`, `ds.repeat()`).
     """
     info = _find(dataset, _KEEPS_BATCH)[0]
     return info.cursor if info is not None else None
@@ -256,24 +181,8 @@ def dataset_cursor(dataset: Any) -> Any:
 def check_input(x: Any, dist: Distribution, method: str, argument: str = "x") -> None:
     """Checks data given to `fit`, `evaluate` or `predict` of a model built under `dist`.
 
-    Args:
-        x: The data argument.
-        dist: The model's distribution.
-        method: `"fit"`, `"evaluate"` or `"predict"`.
-        argument: The argument's name, for messages (`"x"` or `"validation_data"`).
-
-    Returns:
-        None.
-
-    Raises:
-        ValueError: If `x` is a dataset already distributed over the replicas, or (the
-            training data of `fit`) batched to another size than the global batch size.
-
-    Example:
-
-    ```python
-    check_input(train_ds, build_model.distribution, "fit")
-    ```
+    `ValueError` for a dataset already distributed over the replicas, or, for `fit`'s `x`, one
+    batched to another size than the global batch size. `argument` names it in messages.
     """
     if isinstance(x, tf.distribute.DistributedDataset):
         raise ValueError(

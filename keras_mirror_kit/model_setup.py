@@ -40,26 +40,13 @@ __all__ = ["ModelOptions", "check_model", "is_prepared", "prepare_model"]
 logger = logging.getLogger("keras_mirror_kit")
 
 
-
 @dataclass(frozen=True)
 class ModelOptions:
-    """The per-model knobs of a `distributed()`: mixed precision, sync BN, steps per call.
+    """The per-model knobs of a `distributed()`: mixed precision, sync BN, steps per call."""
 
-    Args:
-        mixed_precision: `"mixed_float16"`, `"mixed_bfloat16"` or None.
-        sync_batch_norm: Switch BatchNormalization layers to synchronized statistics.
-        steps_per_execution: Steps per compiled call, or None to leave `compile()`'s.
-
-    Example:
-
-    ```python
-    prepare_model(model, dist, ModelOptions(steps_per_execution=8))
-    ```
-    """
-
-    mixed_precision: str | None = None
-    sync_batch_norm: bool = False
-    steps_per_execution: int | None = None
+    mixed_precision: str | None = None  # "mixed_float16", "mixed_bfloat16" or None
+    sync_batch_norm: bool = False  # BatchNormalization layers get synchronized statistics
+    steps_per_execution: int | None = None  # None: left as `compile()` set it
 
 
 def _strategy_of_variable(variable: Any) -> tf.distribute.Strategy | None:
@@ -74,26 +61,10 @@ def check_model(
 ) -> None:
     """Checks that a model was built (and compiled) under `dist`'s strategy.
 
-    Args:
-        model: What the factory returned, or the model compiled in a `with` block.
-        dist: The distribution it should belong to.
-        factory_name: The factory's name, used in error messages.
-        origin: How the model was obtained, for messages (default: "returned by
-            `factory_name`").
-
-    Returns:
-        None.
-
-    Raises:
-        TypeError: If `model` is not a `keras.Model`.
-        ValueError: If the model, one of its variables or its optimizer was created
-            outside the strategy's scope.
-
-    Example:
-
-    ```python
-    check_model(model, build_model.distribution)
-    ```
+    Keras 3 silently trains a model built outside the scope on one device, so: `TypeError`
+    for anything but a `keras.Model`, `ValueError` when the model, one of its variables or its
+    optimizer was created outside the strategy's scope. `factory_name` and `origin` (default:
+    "returned by `factory_name`") word the messages.
     """
     origin = origin or f"returned by `{factory_name}`"
     if not isinstance(model, keras.Model):
@@ -191,20 +162,7 @@ def _compile_inside_scope(model: keras.Model, dist: Distribution, options: Model
 
 
 def is_prepared(model: Any) -> bool:
-    """Whether `prepare_model` ran on `model` (a decorated factory or a `with` block built it).
-
-    Args:
-        model: Any object.
-
-    Returns:
-        True for a model the kit prepared.
-
-    Example:
-
-    ```python
-    assert is_prepared(build_model())
-    ```
-    """
+    """Whether `prepare_model` ran on `model` (a decorated factory or a `with` block built it)."""
     record = record_of(model)
     return record is not None and record.prepared
 
@@ -218,30 +176,12 @@ def prepare_model(
 ) -> None:
     """Checks a model built under `dist` and gives it the kit's guarantees (module docstring).
 
-    Args:
-        model: The model a factory returned or a `with` block compiled.
-        dist: Its distribution.
-        options: The `distributed()` knobs.
-        name: The factory's (or compile call's) name, for messages.
-        origin: How the model was obtained, for messages (see `check_model`).
-
-    Returns:
-        None.
-
-    Raises:
-        TypeError: If `model` is not a `keras.Model`.
-        ValueError: If it was built outside the strategy's scope, compiled with another
-            `steps_per_execution` or an optimizer with another `gradient_accumulation_steps`
-            than `distributed()` asks for, or uses float16 loss
-            scaling on several replicas with a Keras version whose `LossScaleOptimizer`
-            the kit cannot make agree across replicas
-            (`keras_mirror_kit.workarounds.keras_loss_scale`).
-
-    Example:
-
-    ```python
-    prepare_model(model, dist, ModelOptions(mixed_precision="mixed_bfloat16"))
-    ```
+    Raises `TypeError` for anything but a `keras.Model`, and `ValueError` for a model built
+    outside the strategy's scope, compiled with another `steps_per_execution` or an optimizer
+    with another `gradient_accumulation_steps` than `distributed()` asks for, or using float16
+    loss scaling on several replicas where the kit cannot make the replicas agree
+    (`keras_mirror_kit.workarounds.keras_loss_scale`). Preparing twice re-checks and re-applies
+    the knobs but installs the wrappers once.
     """
     check_model(model, dist, factory_name=name, origin=origin)
     record = register_model(model, dist)

@@ -25,23 +25,7 @@ MIXED_PRECISION_POLICIES = ("mixed_float16", "mixed_bfloat16")
 
 
 def validate_policy(policy: object) -> str | None:
-    """Checks a `mixed_precision` argument.
-
-    Args:
-        policy: `"mixed_float16"`, `"mixed_bfloat16"` or None.
-
-    Returns:
-        The policy name, or None.
-
-    Raises:
-        ValueError: For any other value.
-
-    Example:
-
-    ```python
-    validate_policy("mixed_bfloat16")
-    ```
-    """
+    """`mixed_precision` if it is None or in `MIXED_PRECISION_POLICIES`; else `ValueError`."""
     if policy is None or policy in MIXED_PRECISION_POLICIES:
         return policy  # type: ignore[return-value]
     raise ValueError(
@@ -52,21 +36,7 @@ def validate_policy(policy: object) -> str | None:
 
 @contextmanager
 def policy_scope(policy: str | None) -> Iterator[None]:
-    """Sets the global Keras dtype policy inside the block, restoring it afterwards.
-
-    Args:
-        policy: A policy name, or None to leave the policy alone.
-
-    Returns:
-        A context manager.
-
-    Example:
-
-    ```python
-    with policy_scope("mixed_bfloat16"):
-        model = build()
-    ```
-    """
+    """Sets the global Keras dtype policy inside the block (None: left alone), then restores it."""
     if policy is None:
         yield
         return
@@ -92,20 +62,10 @@ def _output_operations(model: keras.Model) -> list[Any]:
 
 
 def keep_outputs_float32(model: keras.Model) -> list[str]:
-    """Switches the layers that produce the model's outputs to the float32 policy.
+    """Switches the layers producing the model's outputs to float32; returns their names.
 
-    Args:
-        model: A Sequential or Functional model (a subclassed model has no symbolic
-            outputs; give its last layer `dtype="float32"` yourself).
-
-    Returns:
-        The names of the layers switched.
-
-    Example:
-
-    ```python
-    keep_outputs_float32(model)   # e.g. ['dense_1']
-    ```
+    A subclassed model has no symbolic outputs, so nothing is switched: its last layer needs
+    `dtype="float32"` from the user.
     """
     switched = []
     pending = _output_operations(model)

@@ -101,20 +101,7 @@ def _state_of(model: Any) -> _State | None:
 
 
 def is_installed(model: Any) -> bool:
-    """Whether `install` ran on `model`.
-
-    Args:
-        model: Any object.
-
-    Returns:
-        True when the model's steps can apply a replica `preprocess`.
-
-    Example:
-
-    ```python
-    assert is_installed(build_model())   # every model the kit prepared
-    ```
-    """
+    """Whether `install` ran on `model` (its steps can apply a replica `preprocess`)."""
     return _state_of(model) is not None
 
 
@@ -156,18 +143,6 @@ def install(model: Any) -> None:
 
     Idempotent. Until a call inside `applied` asks for a `preprocess`, every wrapper calls
     the original with the same arguments.
-
-    Args:
-        model: A `keras.Model` the kit prepares.
-
-    Returns:
-        None.
-
-    Example:
-
-    ```python
-    install(model)
-    ```
     """
     if is_installed(model):
         return
@@ -247,24 +222,12 @@ def _dtypes(variant: ReplicaVariant) -> str:
 def applied(model: Any, method: str, arguments: dict[str, Any]) -> Iterator[None]:
     """During one `fit`/`evaluate`/`predict` call: twin datasets in, steps preprocessing.
 
-    Each data argument that is a `make_dataset` dataset placed on the replicas is replaced
-    in `arguments` by its stored-dtype twin, and the step that consumes it applies its
-    `preprocess`. On exit the steps and Keras' compiled functions are as before.
-
-    Args:
-        model: A model `install` ran on (for any other model this does nothing).
-        method: `"fit"`, `"evaluate"` or `"predict"`.
-        arguments: The call's bound arguments (modified in place).
-
-    Returns:
-        A context manager.
-
-    Example:
-
-    ```python
-    with applied(model, "fit", bound.arguments):
-        original_fit(*bound.args, **bound.kwargs)
-    ```
+    Each data argument in `arguments` (the call's bound arguments, changed in place) that is a
+    `make_dataset` dataset placed on the replicas is replaced by its stored-dtype twin, and the
+    step consuming it applies its `preprocess`; on exit the steps and Keras' compiled functions
+    are as before. For a model `install` did not run on it does nothing. If the model's step
+    was replaced after `install`, the `preprocess` runs on the host (a WARNING), or, for
+    `preprocess_on="replica"` asked for explicitly, `ValueError`.
     """
     state = _state_of(model)
     if state is None:

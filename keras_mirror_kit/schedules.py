@@ -170,26 +170,10 @@ def _active_accumulation() -> int:
 
 
 def check_accumulation(learning_rate: Any, steps: int, name: str = "the model") -> None:
-    """Refuses a `WarmupSchedule` made for another number of accumulation steps.
+    """Refuses (`ValueError`) a `WarmupSchedule` made for another number of accumulation steps.
 
-    Args:
-        learning_rate: The optimizer's learning rate (a float, variable or schedule).
-        steps: The optimizer's `gradient_accumulation_steps` (1 without accumulation).
-        name: The model's factory or compile call, for messages.
-
-    Returns:
-        None.
-
-    Raises:
-        ValueError: If `learning_rate` is a `WarmupSchedule` whose
-            `gradient_accumulation_steps` differs from `steps` (it would count micro-batches
-            as updates, or the reverse).
-
-    Example:
-
-    ```python
-    check_accumulation(optimizer._learning_rate, 4)
-    ```
+    Such a schedule would count micro-batches as updates, or the reverse. `steps` is the
+    optimizer's `gradient_accumulation_steps`; `name` names the model in the message.
     """
     if isinstance(learning_rate, WarmupSchedule) and (
         learning_rate.gradient_accumulation_steps != steps

@@ -42,23 +42,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the `keras-mirror-kit` command line.
+    """Runs the `keras-mirror-kit` command line on `argv` (default `sys.argv[1:]`); the exit code.
 
-    Args:
-        argv: Arguments without the program name (default: `sys.argv[1:]`).
-
-    Returns:
-        The process exit code.
-
-    Raises:
-        SystemExit: On invalid arguments (argparse's usual behaviour).
-
-    Example:
-
-    ```python
-    from keras_mirror_kit.cli import main
-    main(["info"])
-    ```
+    Invalid arguments exit through argparse's `SystemExit`, as usual.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":

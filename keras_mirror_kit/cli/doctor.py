@@ -73,28 +73,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def diagnose(*, self_test: bool = True, timeout: float = 300.0) -> dict[str, Any]:
-    """Checks this machine for keras-mirror-kit, as `keras-mirror-kit doctor` does.
+    """Checks this machine for keras-mirror-kit, as `keras-mirror-kit doctor` does; never raises.
 
-    Args:
-        self_test: Also train a tiny model on 1 and on every replica (in a fresh process)
-            and measure the all-reduce bandwidth.
-        timeout: Seconds the self-test may take.
-
-    Returns:
-        `{"ok": bool, "checks": [{"name", "status", "detail"}], "environment": {...},
-        "info": keras-mirror-kit info's fields or None, "self_test": figures or None}`;
-        `ok` is False when a check has the status `"fail"`.
-
-    Raises:
-        Nothing: what goes wrong is a failed check.
-
-    Example:
-
-    ```python
-    from keras_mirror_kit.cli.doctor import diagnose
-    report = diagnose(self_test=False)
-    failed = [c["name"] for c in report["checks"] if c["status"] == "fail"]
-    ```
+    Returns `{"ok", "checks": [{"name", "status", "detail"}], "environment", "info" (the
+    fields of `keras-mirror-kit info`, or None), "self_test" (figures, or None)}`; `ok` is
+    False when a check has the status `"fail"`, which is how anything that goes wrong shows.
+    `self_test` also trains a tiny model on 1 and on every replica in a fresh process and
+    measures the all-reduce bandwidth, within `timeout` seconds.
     """
     checks: list[dict[str, str]] = []
 

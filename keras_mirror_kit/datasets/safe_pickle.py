@@ -85,27 +85,10 @@ class UnsafePickleError(pickle.UnpicklingError):
 
 
 def _latin1_encode(obj: str, encoding: str = "utf-8", errors: str = "strict") -> bytes:
-    """Stands in for `_codecs.encode`, but only for the latin-1 codec.
+    """`_codecs.encode` for the latin-1 codec only; anything else is an `UnpicklingError`.
 
-    Python 3 pickles `bytes` under protocol 2 as `_codecs.encode(text, "latin1")`.
-    Arbitrary codecs are not needed for that, so only latin-1 is honoured.
-
-    Args:
-        obj: The text to encode.
-        encoding: The codec name; must name latin-1.
-        errors: The error handler, as in `codecs.encode`.
-
-    Returns:
-        The encoded bytes.
-
-    Raises:
-        pickle.UnpicklingError: If `obj` is not a `str` or the codec is not latin-1.
-
-    Example:
-
-    ```python
-    _latin1_encode("\\x00\\xff", "latin1")  # -> b"\\x00\\xff"
-    ```
+    Python 3 pickles `bytes` under protocol 2 as `_codecs.encode(text, "latin1")`; arbitrary
+    codecs are not needed for that, so no other is honoured.
     """
     normalized = encoding.lower().replace("_", "-") if isinstance(encoding, str) else None
     if not isinstance(obj, str) or normalized not in {"latin1", "latin-1", "iso-8859-1"}:

@@ -71,23 +71,10 @@ def _physical_ids(device_type: str) -> list[str] | None:
 
 
 def device_table(devices: Sequence[str]) -> list[tuple[str, str | None]]:
-    """Says which physical device each replica device runs on.
+    """`[(replica device, physical id such as "GPU:0", or None when TensorFlow does not tell)]`.
 
-    Logical devices are made from the visible physical devices in order, each split into
-    as many as its logical configuration says (`simulate_replicas` splits one).
-
-    Args:
-        devices: Replica device names (as `replica_devices()` returns them).
-
-    Returns:
-        `[(logical name, physical id)]`, the physical id like `"GPU:0"`, or None when
-        TensorFlow's device lists do not tell.
-
-    Example:
-
-    ```python
-    device_table(replica_devices())  # [('/job:localhost/.../device:GPU:0', 'GPU:0'), ...]
-    ```
+    Logical devices are made from the visible physical devices in order, each split into as
+    many as its logical configuration says (`simulate_replicas` splits one).
     """
     table: list[tuple[str, str | None]] = []
     known: dict[str, list[str] | None] = {}
@@ -124,25 +111,8 @@ def choose_cross_device_ops(name: str, table: DeviceTable, *, nccl_usable: bool)
     otherwise, for 2+ GPU replicas, hierarchical copy when their number is even, and
     reduction to one device in all other cases. TensorFlow's hierarchical copy sums two
     groups of `n // 2` replicas, so with an odd number one replica's gradient is left out.
-
-    Args:
-        name: One of `CROSS_DEVICE_OPS`.
-        table: `[(logical device name, physical device id or None)]`, one row per replica.
-        nccl_usable: Whether this TensorFlow build can run NCCL here (`nccl_available()`).
-
-    Returns:
-        `"nccl"`, `"hierarchical_copy"` or `"reduction_to_one_device"`.
-
-    Raises:
-        ValueError: For an unknown name; `"nccl"` on anything but distinct physical GPUs
-            with NCCL usable; `"hierarchical_copy"` on an odd number (3 or more) of replicas.
-
-    Example:
-
-    ```python
-    choose_cross_device_ops("auto", [("/gpu:0", "GPU:0"), ("/gpu:1", "GPU:1")],
-                            nccl_usable=True)  # "nccl"
-    ```
+    An explicit name that cannot work here (`"nccl"` on anything but distinct GPUs with NCCL
+    usable, `"hierarchical_copy"` on an odd number of 3+ replicas) raises `ValueError`.
     """
     _check_ops_name(name)
     names = [logical for logical, _ in table]
@@ -184,20 +154,7 @@ def choose_cross_device_ops(name: str, table: DeviceTable, *, nccl_usable: bool)
 
 
 def nccl_fallback(replicas: int) -> str:
-    """The all-reduce to use on GPUs instead of NCCL.
-
-    Args:
-        replicas: Number of replicas.
-
-    Returns:
-        `"hierarchical_copy"` for an even number, else `"reduction_to_one_device"`.
-
-    Example:
-
-    ```python
-    nccl_fallback(3)  # "reduction_to_one_device"
-    ```
-    """
+    """The all-reduce instead of NCCL: hierarchical copy for an even count, else to one device."""
     return "hierarchical_copy" if replicas % 2 == 0 else "reduction_to_one_device"
 
 
@@ -216,30 +173,9 @@ def make_cross_device_ops(
     table: DeviceTable | None = None,
     nccl_usable: bool | None = None,
 ) -> tuple[tf.distribute.CrossDeviceOps, str]:
-    """Builds the all-reduce implementation for a set of replica devices.
+    """`(cross_device_ops, name)` for a set of replica devices, as `choose_cross_device_ops` picks.
 
-    The choice is `choose_cross_device_ops` on this host's device table: `"auto"` uses NCCL
-    when every replica is a distinct physical GPU and NCCL is usable, hierarchical copy
-    across an even number of GPU replicas otherwise, and reduction to one device in all
-    other cases.
-
-    Args:
-        name: One of `CROSS_DEVICE_OPS`, or a `tf.distribute.CrossDeviceOps` instance.
-        devices: The replica devices (full names).
-        table: The device table to decide on (default: `device_table(devices)`).
-        nccl_usable: Whether NCCL can run (default: `nccl_available()`).
-
-    Returns:
-        `(cross_device_ops, name)`.
-
-    Raises:
-        ValueError: As `choose_cross_device_ops`.
-
-    Example:
-
-    ```python
-    ops, chosen = make_cross_device_ops("auto", replica_devices())
-    ```
+    A `tf.distribute.CrossDeviceOps` instance given as `name` is used as it is.
     """
     if isinstance(name, tf.distribute.CrossDeviceOps):
         return name, type(name).__name__
@@ -251,27 +187,11 @@ def make_cross_device_ops(
 
 
 def probe_all_reduce(strategy: tf.distribute.Strategy) -> None:
-    """Runs one tiny all-reduce under `strategy`, and checks its sum.
+    """Runs one tiny all-reduce under `strategy` and checks its sum (`RuntimeError` if wrong).
 
-    TensorFlow loads the NCCL library only at the first NCCL all-reduce, so a host
-    without it fails at the first training step; this finds out when the strategy is made.
-
-    Args:
-        strategy: A strategy with one or more replicas.
-
-    Returns:
-        None.
-
-    Raises:
-        RuntimeError: If the all-reduce gives a wrong sum.
-        Exception: Whatever TensorFlow raises when the all-reduce cannot run (for example
-            `tf.errors.NotFoundError` or `InternalError` when NCCL cannot be loaded).
-
-    Example:
-
-    ```python
-    probe_all_reduce(tf.distribute.MirroredStrategy(cross_device_ops=ops))
-    ```
+    TensorFlow loads the NCCL library only at the first NCCL all-reduce, so a host without it
+    would fail at the first training step; this finds out when the strategy is made. Whatever
+    TensorFlow raises when the all-reduce cannot run (`NotFoundError`, `InternalError`) passes.
     """
     replicas = int(strategy.num_replicas_in_sync)
 
@@ -296,32 +216,12 @@ def mirrored_strategy(
     nccl_usable: bool | None = None,
     probe: Callable[[tf.distribute.Strategy], None] = probe_all_reduce,
 ) -> tuple[tf.distribute.MirroredStrategy, str]:
-    """Creates the `MirroredStrategy` for the replica devices, with a working all-reduce.
+    """`(MirroredStrategy, all-reduce name)` for the replica devices, with a working all-reduce.
 
-    When NCCL is chosen, one tiny all-reduce is run at once (`probe`): if NCCL cannot run
-    (typically "Unable to load NCCL library"), a WARNING says so and the strategy is
-    rebuilt with `nccl_fallback(n)` for `"auto"`; an explicit `"nccl"` is an error. No
+    When NCCL is chosen, one tiny all-reduce runs at once (`probe`): if NCCL cannot run
+    (typically "Unable to load NCCL library"), a WARNING says so and the strategy is rebuilt
+    with `nccl_fallback(n)` for `"auto"`, while an explicit `"nccl"` raises `RuntimeError`. No
     probe runs for any other all-reduce (so never on CPUs).
-
-    Args:
-        devices: The replica devices (full names).
-        cross_device_ops: As `make_cross_device_ops`.
-        table: The device table to decide on (default: `device_table(devices)`).
-        nccl_usable: Whether NCCL can run (default: `nccl_available()`).
-        probe: Called with the NCCL strategy; raises if its all-reduce fails.
-
-    Returns:
-        `(strategy, all-reduce name)`.
-
-    Raises:
-        ValueError: As `choose_cross_device_ops`.
-        RuntimeError: If `cross_device_ops="nccl"` was asked for and the probe fails.
-
-    Example:
-
-    ```python
-    strategy, ops_name = mirrored_strategy(replica_devices())
-    ```
     """
     ops, name = make_cross_device_ops(
         cross_device_ops, devices, table=table, nccl_usable=nccl_usable

@@ -37,22 +37,7 @@ def nvidia_hardware_signs(
     proc_dir: str = "/proc/driver/nvidia",
     which: Callable[[str], str | None] = shutil.which,
 ) -> list[str]:
-    """Looks for signs of NVIDIA GPUs on this machine, without TensorFlow.
-
-    Args:
-        dev_dir: Where device files are (`/dev/nvidia0`, ...).
-        proc_dir: The NVIDIA driver's `/proc` directory (it lists GPUs under `gpus/`).
-        which: Finds a program on PATH (`shutil.which`).
-
-    Returns:
-        What was found, e.g. `["/dev/nvidia0", "nvidia-smi on PATH"]`; empty if nothing.
-
-    Example:
-
-    ```python
-    nvidia_hardware_signs()  # [] on a machine without NVIDIA GPUs
-    ```
-    """
+    """Signs of NVIDIA GPUs, found without TensorFlow: `/dev/nvidia0`, `nvidia-smi on PATH`..."""
     signs = sorted(glob.glob(os.path.join(glob.escape(dev_dir), "nvidia[0-9]*")))
     gpus_dir = os.path.join(proc_dir, "gpus")
     if os.path.isdir(gpus_dir) and os.listdir(gpus_dir):
@@ -76,24 +61,10 @@ def unused_gpu_warning(
     build_info: dict[str, Any],
     cuda_visible_devices: str | None,
 ) -> str | None:
-    """Explains why TensorFlow sees no GPU on a machine that has NVIDIA GPUs, if it does not.
+    """Why TensorFlow sees no GPU on a machine with NVIDIA GPUs, or None.
 
-    Args:
-        tf_gpus: Number of physical GPUs TensorFlow registered.
-        signs: `nvidia_hardware_signs()`.
-        build_info: `tf.sysconfig.get_build_info()`.
-        cuda_visible_devices: The `CUDA_VISIBLE_DEVICES` environment variable, or None.
-
-    Returns:
-        The warning text, or None when there is nothing to warn about (TensorFlow has
-        GPUs, no NVIDIA GPU is in sight, or `CUDA_VISIBLE_DEVICES` hides them on purpose).
-
-    Example:
-
-    ```python
-    unused_gpu_warning(tf_gpus=0, signs=["/dev/nvidia0"], build_info={"is_cuda_build": True},
-                       cuda_visible_devices=None)
-    ```
+    None when there is nothing to warn about: TensorFlow has GPUs, no NVIDIA GPU is in sight,
+    or `CUDA_VISIBLE_DEVICES` hides them on purpose.
     """
     if tf_gpus or not signs or _hidden_by_environment(cuda_visible_devices):
         return None
@@ -115,17 +86,7 @@ def unused_gpu_warning(
 
 
 def warn_if_gpus_unused() -> str | None:
-    """Logs `unused_gpu_warning` for this machine as a WARNING, once per process.
-
-    Returns:
-        The warning text, or None.
-
-    Example:
-
-    ```python
-    warn_if_gpus_unused()
-    ```
-    """
+    """Logs `unused_gpu_warning` for this machine as a WARNING, once per process; returns it."""
     global _gpu_warning_logged
     message = unused_gpu_warning(
         tf_gpus=len(tf.config.list_physical_devices("GPU")),
@@ -151,26 +112,11 @@ def _parse_capability(entry: str) -> tuple[str, tuple[int, int], bool] | None:
 def kernel_support(
     compute_capability: tuple[int, int], compiled: Sequence[str]
 ) -> tuple[str, str | None]:
-    """Whether this TensorFlow wheel has GPU kernels for a compute capability.
+    """`("native" | "ptx-jit" | "none" | "unknown", warning or None)` for a GPU's capability.
 
     A kernel compiled for `sm_XY` runs on GPUs of major version X and minor >= Y; PTX
     (`compute_XY`) is compiled by the driver at first use for any GPU >= X.Y, which for
-    TensorFlow takes many minutes.
-
-    Args:
-        compute_capability: The GPU's, e.g. `(9, 0)`.
-        compiled: The wheel's `cuda_compute_capabilities` (`tf.sysconfig.get_build_info()`),
-            e.g. `["sm_60", "sm_80", "compute_90"]`.
-
-    Returns:
-        `("native", None)`, `("ptx-jit", warning)`, `("none", warning)` or
-        `("unknown", None)` when the wheel lists no capabilities.
-
-    Example:
-
-    ```python
-    kernel_support((12, 0), ["sm_80", "compute_90"])  # ("ptx-jit", "...")
-    ```
+    TensorFlow takes many minutes. `"unknown"`: the wheel lists no capabilities.
     """
     parsed = [p for p in map(_parse_capability, compiled) if p is not None]
     if not parsed:
@@ -201,23 +147,10 @@ _BUILD_KEYS = ("is_cuda_build", "is_rocm_build", "cuda_version", "cudnn_version"
 def describe_gpus(
     gpus: Sequence[tuple[str, dict[str, Any]]], build_info: dict[str, Any]
 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
-    """What `keras-mirror-kit info` says about the CUDA build and each GPU.
+    """`(build, rows, warnings)`: what `keras-mirror-kit info` says about the CUDA build and GPUs.
 
-    Args:
-        gpus: `[(device name, tf.config.experimental.get_device_details(gpu))]`.
-        build_info: `tf.sysconfig.get_build_info()`.
-
-    Returns:
-        `(build, rows, warnings)`: the build's CUDA facts, one row per GPU (`name`,
-        `device_name`, `compute_capability` as "9.0" or "?", `kernels` as `kernel_support`
-        says), and a warning for each GPU the wheel has no native kernels for.
-
-    Example:
-
-    ```python
-    describe_gpus([("/physical_device:GPU:0", {"compute_capability": (9, 0)})],
-                  {"is_cuda_build": True, "cuda_compute_capabilities": ["sm_80", "compute_90"]})
-    ```
+    One row per GPU (`name`, `device_name`, `compute_capability` as "9.0" or "?", `kernels` as
+    `kernel_support` says), and a warning for each GPU the wheel has no native kernels for.
     """
     compiled = list(build_info.get("cuda_compute_capabilities") or [])
     build = {key: build_info[key] for key in _BUILD_KEYS if key in build_info}
@@ -239,17 +172,7 @@ def describe_gpus(
 
 
 def gpu_report() -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
-    """`describe_gpus` for this machine's visible physical GPUs.
-
-    Returns:
-        As `describe_gpus`.
-
-    Example:
-
-    ```python
-    build, gpus, warnings = gpu_report()
-    ```
-    """
+    """`describe_gpus` for this machine's visible physical GPUs."""
     gpus = []
     for gpu in tf.config.list_physical_devices("GPU"):
         try:

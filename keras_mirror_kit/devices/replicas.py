@@ -45,9 +45,6 @@ def simulate_replicas(
         device_type: `"CPU"` or `"GPU"`; defaults to `"GPU"` when a GPU is visible.
         memory_limit_mb: Memory per logical GPU in MiB (GPU only; default 2048).
 
-    Returns:
-        None.
-
     Raises:
         TypeError: If `n` is not an integer.
         ValueError: If `n` is not positive or `device_type` is unknown or absent.
@@ -114,22 +111,7 @@ def simulate_replicas(
 
 
 def configure_from_environment() -> None:
-    """Applies `KMK_SIMULATE_REPLICAS=n` from the environment, if set.
-
-    Returns:
-        None.
-
-    Raises:
-        ValueError: If the variable is not a positive integer.
-        RuntimeError: As `simulate_replicas`.
-
-    Example:
-
-    ```python
-    os.environ["KMK_SIMULATE_REPLICAS"] = "2"
-    configure_from_environment()
-    ```
-    """
+    """Applies `KMK_SIMULATE_REPLICAS=n` if set (`ValueError` unless a positive integer)."""
     raw = os.environ.get(SIMULATE_REPLICAS_ENV, "").strip()
     if not raw:
         return
@@ -156,27 +138,11 @@ def _canonical(name: str) -> tuple[str, int]:
 
 
 def replica_devices(devices: Sequence[str] | None = None) -> list[str]:
-    """Returns the devices to put one replica on each.
+    """Full names of the devices that get one replica each (default: every GPU, else the CPUs).
 
-    By default all logical GPUs; with no GPU, all logical CPUs (one, unless several were
-    configured with `simulate_replicas`).
-
-    Args:
-        devices: Explicit device names such as `["/gpu:0", "/gpu:1"]`, or None.
-
-    Returns:
-        Full device names, e.g. `"/job:localhost/replica:0/task:0/device:GPU:0"`.
-
-    Raises:
-        TypeError: If `devices` is a string or not a sequence of strings.
-        ValueError: If it is empty, repeats a device, or names a device that does not exist.
-
-    Example:
-
-    ```python
-    replica_devices()             # every GPU, or the CPU(s)
-    replica_devices(["/gpu:1"])   # just one
-    ```
+    Without GPUs that is one CPU, unless `simulate_replicas` configured several. Explicit
+    `devices` (`["/gpu:0", "/gpu:1"]`) are checked: `TypeError` for a string or non-strings,
+    `ValueError` for an empty list, a repeat or a device that does not exist.
     """
     gpus = tf.config.list_logical_devices("GPU")
     if devices is None:

@@ -326,9 +326,6 @@ class WandbLogger(keras.callbacks.Callback):
         Args:
             exception: The exception `fit()` raised.
 
-        Returns:
-            None.
-
         Raises:
             Nothing: an error while finishing the run is logged, so that the exception
                 of `fit()` is the one that propagates.

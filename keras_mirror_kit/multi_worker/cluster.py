@@ -70,19 +70,9 @@ IMPLEMENTATIONS = ("auto", "ring", "nccl")
 
 @dataclass(frozen=True)
 class TFConfig:
-    """A validated `TF_CONFIG`: the cluster and this process's task.
+    """A validated `TF_CONFIG`: the cluster (job -> `"host:port"` by task index) and this task.
 
-    Args:
-        cluster: Job name -> task addresses (`"host:port"`), in task-index order.
-        task_type: This process's job (`"chief"` or `"worker"`), or None if not given.
-        task_index: This process's index in its job, or None if not given.
-
-    Example:
-
-    ```python
-    config = parse_tf_config()
-    if config is not None and config.num_workers > 1: ...
-    ```
+    `task_type` and `task_index` are None when `TF_CONFIG` names no task (one training task).
     """
 
     cluster: dict[str, tuple[str, ...]]
@@ -161,29 +151,13 @@ def _task_list(job: str, tasks: Any, raw: str) -> tuple[str, ...]:
 
 
 def parse_tf_config(raw: str | None = None) -> TFConfig | None:
-    """Parses and validates `TF_CONFIG` for multi-worker mirrored training.
+    """The validated `TF_CONFIG` (default: the environment variable), or None when unset or blank.
 
-    Args:
-        raw: The JSON text; default: the `TF_CONFIG` environment variable.
-
-    Returns:
-        A `TFConfig`, or None when `TF_CONFIG` is unset or blank.
-
-    Raises:
-        ValueError: On malformed JSON; a missing or empty `cluster`; an unknown job name,
-            a `ps` job (parameter-server training is not mirrored training), more than one
-            chief, a task address without an integer port, or two tasks on one address; a
-            missing `task` (with more than one training task), a `task.type` that is not
-            in the cluster or is not `chief`/`worker`, or a `task.index` that is not an
-            integer in range.
-
-    Example:
-
-    ```python
-    config = parse_tf_config('{"cluster": {"worker": ["a:2222", "b:2222"]}, '
-                             '"task": {"type": "worker", "index": 1}}')
-    config.num_workers, config.rank   # (2, 1)
-    ```
+    Every mistake TensorFlow would report late, or block on, is a `ValueError` here: malformed
+    JSON; a missing or empty `cluster`; an unknown job, a `ps` job (parameter-server training is
+    not mirrored training), more than one chief, an address without an integer port, two tasks
+    on one address; a missing `task` with more than one training task, a `task.type` that is not
+    `chief`/`worker` of the cluster, a `task.index` that is not an integer in range.
     """
     if raw is None:
         raw = os.environ.get(TF_CONFIG_ENV, "")
@@ -261,21 +235,9 @@ def parse_tf_config(raw: str | None = None) -> TFConfig | None:
 
 
 def tf_config_num_workers() -> int:
-    """Number of training tasks (chief + workers) that `TF_CONFIG`, or else Slurm, describes.
+    """Training tasks (chief + workers) in `TF_CONFIG`, else in the Slurm job step, else 0.
 
-    Returns:
-        The count of `chief` and `worker` tasks of `TF_CONFIG`; when it is unset, the tasks
-        of the Slurm job step this process runs in (`slurm_num_tasks`), else 0.
-
-    Raises:
-        ValueError: When `TF_CONFIG` is set but invalid (see `parse_tf_config`).
-
-    Example:
-
-    ```python
-    if tf_config_num_workers() > 1:
-        strategy, name = create_strategy()
-    ```
+    A set but invalid `TF_CONFIG` raises `ValueError` (see `parse_tf_config`).
     """
     config = parse_tf_config()
     if config is None:
@@ -286,21 +248,8 @@ def tf_config_num_workers() -> int:
 def slurm_num_tasks(environ: Mapping[str, str] | None = None) -> int:
     """Tasks of the Slurm job step this process is a task of (`srun`), or 0 outside one.
 
-    Args:
-        environ: The environment to read (default: `os.environ`).
-
-    Returns:
-        `SLURM_STEP_NUM_TASKS` when every variable `SlurmClusterResolver` needs is set
-        (`SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`, `SLURM_STEP_NODELIST`,
-        `SLURM_STEP_TASKS_PER_NODE`), else 0 (a batch script outside `srun`, no Slurm).
-
-    Example:
-
-    ```python
-    slurm_num_tasks({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2",
-                     "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"})
-    # 2
-    ```
+    `SLURM_STEP_NUM_TASKS` counts only when every variable `SlurmClusterResolver` needs is set
+    (`_SLURM_STEP_VARS`); a batch script outside `srun` gets 0.
     """
     environ = os.environ if environ is None else environ
     if not all(environ.get(name, "").strip() for name in _SLURM_STEP_VARS):
@@ -338,23 +287,8 @@ def slurm_cluster_resolver(environ: Mapping[str, str] | None = None) -> Any:
     (`nvidia-smi -L`; none without it) are split evenly among its tasks, as
     `SlurmClusterResolver` does. Ports: `KMK_SLURM_PORT_BASE`, else the start of
     `SLURM_STEP_RESV_PORTS` (`srun --resv-ports`), else 20000 + 8 x (job id mod 5000); the
-    tasks of a node use consecutive ports from there.
-
-    Args:
-        environ: The environment to read (default: `os.environ`).
-
-    Returns:
-        A `tf.distribute.cluster_resolver.SlurmClusterResolver`.
-
-    Raises:
-        ValueError: Outside a Slurm job step, or on a bad `KMK_SLURM_PORT_BASE`.
-
-    Example:
-
-    ```python
-    resolver = slurm_cluster_resolver()   # inside `srun --ntasks=2 python train.py`
-    resolver.cluster_spec().as_dict()     # {"worker": ["node1:20008", "node2:20008"]}
-    ```
+    tasks of a node use consecutive ports from there. Outside a Slurm job step, or with a bad
+    `KMK_SLURM_PORT_BASE`, raises `ValueError`.
     """
     environ = os.environ if environ is None else environ
     if not slurm_num_tasks(environ):
@@ -520,40 +454,18 @@ def create_strategy(
     *,
     collective_timeout_s: float | None = None,
 ) -> tuple[tf.distribute.Strategy, str]:
-    """Creates a `tf.distribute.MultiWorkerMirroredStrategy` for this worker.
+    """`(MultiWorkerMirroredStrategy, name)` for this worker, `name` like `"collective-ring"`.
 
-    The cluster comes from `cluster_resolver` or else `TF_CONFIG` (without either, a
-    single-worker strategy over this host). The call blocks until every worker of the
-    cluster has started (TensorFlow's behaviour); with more than one worker it then
-    installs the Keras `model.fit` workaround
-    (`keras_mirror_kit.workarounds.keras_multi_worker_fit`).
-
-    Args:
-        cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver` (for example
-            `SlurmClusterResolver()`), or None to read `TF_CONFIG`.
-        cross_device_ops: `"auto"` (NCCL when this worker has GPUs and a CUDA build, else
-            ring), `"ring"`, `"nccl"`, or a
-            `tf.distribute.experimental.CommunicationImplementation`.
-        collective_timeout_s: Seconds after which a stuck collective (all-reduce) fails
-            instead of hanging; default from `KMK_COLLECTIVE_TIMEOUT`, else none. A dead
-            peer is detected by TensorFlow's heartbeat (about 10 s) either way.
-
-    Returns:
-        `(strategy, name)` where `name` reads like `"collective-ring"` or
-        `"collective-nccl"`.
-
-    Raises:
-        ValueError: On an invalid `TF_CONFIG` or cluster resolver view, an unknown or
-            unusable `cross_device_ops`, a bad timeout or `KMK_KERAS_WORKAROUND`, or when
-            this task's local port is already in use.
-        TypeError: If `cluster_resolver` is not a `ClusterResolver`.
-
-    Example:
-
-    ```python
-    strategy, name = create_strategy()     # TF_CONFIG names 2 workers
-    strategy.num_replicas_in_sync          # 2 (one CPU each)
-    ```
+    The cluster comes from `cluster_resolver`, else `TF_CONFIG`, else a Slurm step with several
+    tasks (without any, a single-worker strategy over this host). Everything that can be
+    checked is checked before connecting (`ValueError`: `TF_CONFIG` or the resolver's view,
+    `cross_device_ops`, the timeout, `KMK_KERAS_WORKAROUND`, this task's local port already in
+    use; `TypeError`: not a `ClusterResolver`), because the constructor then blocks until every
+    worker has started. With more than one worker it installs the `model.fit` workaround
+    (`workarounds.keras_multi_worker_fit`). `cross_device_ops="auto"` is NCCL when this worker
+    has GPUs and a CUDA build, else ring. `collective_timeout_s` (default
+    `KMK_COLLECTIVE_TIMEOUT`, else none) makes a stuck all-reduce fail instead of hanging; a
+    dead peer is detected by TensorFlow's heartbeat (about 10 s) either way.
     """
     resolver_cls = tf.distribute.cluster_resolver.ClusterResolver
     if cluster_resolver is not None and not isinstance(cluster_resolver, resolver_cls):

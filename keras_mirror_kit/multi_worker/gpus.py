@@ -29,28 +29,12 @@ def _parse_visible_devices(value: str) -> list[str]:
 def visible_gpus(
     environ: Mapping[str, str] | None = None, nvidia_smi: str | None = "nvidia-smi"
 ) -> list[str]:
-    """The GPUs the launcher can hand out, as `CUDA_VISIBLE_DEVICES` entries.
+    """The GPUs the launcher can hand out, as `CUDA_VISIBLE_DEVICES` entries (TensorFlow unused).
 
     When `CUDA_VISIBLE_DEVICES` is set, its entries, read as CUDA reads them (up to the
     first empty or negative entry, so `-1` and `""` mean no GPU; indexes and `GPU-...`
-    UUIDs are kept as written). Otherwise the `GPU <i>:` lines of `nvidia-smi -L`, as
-    indexes `"0"`, `"1"`, ...; no GPU when `nvidia-smi` is missing or fails. TensorFlow
-    is not imported.
-
-    Args:
-        environ: The environment to read (default: `os.environ`).
-        nvidia_smi: The `nvidia-smi` program (a name on `PATH` or a path), or None to
-            consult only `CUDA_VISIBLE_DEVICES`.
-
-    Returns:
-        The GPU entries, possibly empty.
-
-    Example:
-
-    ```python
-    visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"})   # ["2", "3"]
-    visible_gpus({}, nvidia_smi=None)                # []
-    ```
+    UUIDs are kept as written). Otherwise the `GPU <i>:` lines of `nvidia-smi -L` as indexes
+    `"0"`, `"1"`, ...; none when `nvidia-smi` is missing or fails (`nvidia_smi=None`: not asked).
     """
     environ = os.environ if environ is None else environ
     if GPU_ENV in environ:

@@ -79,7 +79,8 @@ class FlopCount:
     """The FLOPs of one training sample, as `count_training_flops` counted them.
 
     Attributes:
-        flops_per_sample: Forward pass, loss and backward pass, per sample.
+        flops_per_sample: Forward pass, loss and backward pass, per sample (about 3 times
+            `forward_flops_per_sample` for a deep model).
         forward_flops_per_sample: The forward pass alone, per sample.
         by_op_type: Per-sample FLOPs of the training computation by TensorFlow op type
             (`"Conv2D"`, `"Conv2DBackpropFilter"`, `"MatMul"`, ...).
@@ -89,13 +90,6 @@ class FlopCount:
             model is the same, only the loss's own few FLOPs per sample differ.
         uncounted_op_types: Float-valued op types met that have no FLOP statistic
             (activations such as `Relu`, or control flow); they count 0.
-
-    Example:
-
-    ```python
-    count = count_training_flops(model)
-    count.flops_per_sample / count.forward_flops_per_sample   # about 3 for a deep model
-    ```
     """
 
     flops_per_sample: float
@@ -106,22 +100,10 @@ class FlopCount:
 
 
 def model_compute_dtype(model: keras.Model) -> str:
-    """The compute dtype of the layers that hold most of the model's trainable weights.
+    """The compute dtype of the layers holding most of the model's trainable weights.
 
     Mixed precision keeps a few layers (the outputs) in float32; the dtype that matters for
     the peak FLOP/s is the one the bulk of the arithmetic runs in.
-
-    Args:
-        model: A `keras.Model`.
-
-    Returns:
-        `"float32"`, `"bfloat16"`, `"float16"` (or another dtype name).
-
-    Example:
-
-    ```python
-    model_compute_dtype(model)   # 'bfloat16' under mixed_bfloat16
-    ```
     """
     weight_by_dtype: dict[str, int] = {}
     for layer in model._flatten_layers(include_self=False, recursive=True):
@@ -135,24 +117,10 @@ def model_compute_dtype(model: keras.Model) -> str:
 
 
 def model_input_specs(model: keras.Model) -> list[tf.TensorSpec] | None:
-    """The shapes and dtypes of one sample of the model's inputs, when the model tells them.
+    """One `tf.TensorSpec` (batch dimension None) per model input, or None when not fully known.
 
     Read from `model.inputs` (Functional and Sequential models with an `Input`), else from
     the shape a built subclassed model was first called with (one input only).
-
-    Args:
-        model: A built `keras.Model`.
-
-    Returns:
-        One `tf.TensorSpec` per input, batch dimension None; None when the input shapes
-        are unknown or not fully defined apart from the batch.
-
-    Example:
-
-    ```python
-    model_input_specs(kmk.models.tutorial_cnn())
-    # [TensorSpec(shape=(None, 32, 32, 3), dtype=tf.float32, name=None)]
-    ```
     """
     specs: list[tf.TensorSpec] = []
     try:
@@ -277,23 +245,7 @@ def count_training_flops(
 
 
 def training_flops_per_sample(model: keras.Model) -> float:
-    """`count_training_flops(model).flops_per_sample`: forward, loss and backward, per sample.
-
-    Args:
-        model: A built `keras.Model` whose input shapes are known.
-
-    Returns:
-        FLOPs of one training sample.
-
-    Raises:
-        ValueError: As `count_training_flops`.
-
-    Example:
-
-    ```python
-    samples_per_sec * training_flops_per_sample(model)   # achieved FLOP/s
-    ```
-    """
+    """`count_training_flops(model).flops_per_sample` (raises as it does)."""
     return count_training_flops(model).flops_per_sample
 
 

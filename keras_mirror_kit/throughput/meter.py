@@ -199,9 +199,6 @@ class ThroughputMeter:
                 GPU's peak times the GPUs; a CPU's roof once, however many replicas share
                 it); None: no `mfu`.
 
-        Returns:
-            None.
-
         Raises:
             TypeError: If a value is not a real number.
             ValueError: If a value is not positive and finite.
@@ -228,9 +225,6 @@ class ThroughputMeter:
     def start(self) -> None:
         """Begins a run: clears every tally, restarts warm-up and starts the clock.
 
-        Returns:
-            None.
-
         Example:
 
         ```python
@@ -250,9 +244,6 @@ class ThroughputMeter:
         restarted (it runs once per `start()`, and may span several short epochs). Calls
         `start()` first if the run has not begun.
 
-        Returns:
-            None.
-
         Example:
 
         ```python
@@ -266,9 +257,6 @@ class ThroughputMeter:
 
     def stop(self) -> None:
         """Stops the clock; the time since the last `step()` is discarded.
-
-        Returns:
-            None.
 
         Example:
 
@@ -285,9 +273,6 @@ class ThroughputMeter:
         """Stops counting time until `resume()`; does nothing unless the clock is running.
 
         The time already run since the last `step()` is kept and added to the next one.
-
-        Returns:
-            None.
 
         Example:
 
@@ -306,9 +291,6 @@ class ThroughputMeter:
 
     def resume(self) -> None:
         """Counts time again after `pause()`; does nothing unless paused.
-
-        Returns:
-            None.
 
         Example:
 

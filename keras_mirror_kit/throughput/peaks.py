@@ -63,29 +63,15 @@ _T = 1e12
 
 @dataclass(frozen=True)
 class GpuPeak:
-    """Dense peak FLOP/s of one GPU model, per compute dtype, with its source.
+    """Dense peak FLOP/s of one GPU model, per compute dtype, with its source."""
 
-    Attributes:
-        model: The GPU model, e.g. `"A100 SXM4"`.
-        names: Names TensorFlow reports for it (`get_device_details()["device_name"]`).
-        pattern: Regular expression matched against the normalized name (lower case,
-            without "nvidia", "tesla" and "geforce"), for variants not listed in `names`.
-        flops: FLOP/s by compute dtype (`"fp32"`, `"tf32"`, `"bf16"`, `"fp16"`); a dtype
-            the GPU has no fast path for is absent.
-        source: Where the figures come from.
-
-    Example:
-
-    ```python
-    lookup_gpu("NVIDIA H100 80GB HBM3").flops["bf16"]   # 989.4e12
-    ```
-    """
-
-    model: str
-    names: tuple[str, ...]
+    model: str  # e.g. "A100 SXM4"
+    names: tuple[str, ...]  # names TensorFlow reports (`get_device_details()["device_name"]`)
+    # Matched against the normalized name (lower case, without "nvidia", "tesla" and
+    # "geforce"), for variants not listed in `names`.
     pattern: str
-    flops: dict[str, float]
-    source: str
+    flops: dict[str, float]  # by dtype key; a dtype the GPU has no fast path for is absent
+    source: str  # where the figures come from
 
 
 _AMPERE_WP = (
@@ -274,20 +260,7 @@ def _normalize(name: str) -> str:
 
 
 def lookup_gpu(device_name: str) -> GpuPeak | None:
-    """The table entry for a GPU name as TensorFlow reports it, or None when unknown.
-
-    Args:
-        device_name: `tf.config.experimental.get_device_details(gpu)["device_name"]`.
-
-    Returns:
-        The `GpuPeak`, or None.
-
-    Example:
-
-    ```python
-    lookup_gpu("NVIDIA A100-SXM4-80GB").model   # 'A100 SXM4'
-    ```
-    """
+    """The `GPU_PEAKS` entry for a GPU name as TensorFlow reports it, or None when unknown."""
     for entry in GPU_PEAKS:
         if device_name in entry.names:
             return entry
@@ -299,44 +272,16 @@ def lookup_gpu(device_name: str) -> GpuPeak | None:
 
 
 def gpu_peak_flops(device_name: str, dtype: str) -> float | None:
-    """Dense peak FLOP/s of one GPU in one compute dtype, or None when not in the table.
-
-    Args:
-        device_name: The GPU's name as TensorFlow reports it.
-        dtype: `"fp32"`, `"tf32"`, `"bf16"` or `"fp16"` (see `compute_dtype_key`).
-
-    Returns:
-        FLOP/s, or None.
-
-    Example:
-
-    ```python
-    gpu_peak_flops("NVIDIA L4", "bf16")   # 1.21e14
-    ```
-    """
+    """Dense peak FLOP/s of a GPU in a dtype key (`compute_dtype_key`), or None."""
     entry = lookup_gpu(device_name)
     return None if entry is None else entry.flops.get(dtype)
 
 
 def compute_dtype_key(compute_dtype: str, tf32: bool = False) -> str:
-    """The table's dtype key for a Keras compute dtype.
+    """The table's key (`"fp32"`, `"tf32"`, `"bf16"`, `"fp16"`) for a Keras compute dtype.
 
-    Args:
-        compute_dtype: `"float32"`, `"bfloat16"` or `"float16"` (a policy's compute dtype).
-        tf32: Whether float32 matmuls run as TF32 (TensorFlow's default on Ampere+ GPUs,
-            `tf.config.experimental.is_tensor_float_32_execution_enabled()`).
-
-    Returns:
-        `"fp32"`, `"tf32"`, `"bf16"` or `"fp16"`.
-
-    Raises:
-        ValueError: For any other dtype.
-
-    Example:
-
-    ```python
-    compute_dtype_key("bfloat16")   # 'bf16'
-    ```
+    `tf32`: whether float32 matmuls run as TF32 (TensorFlow's default on Ampere+ GPUs). A dtype
+    other than float32, bfloat16 or float16 raises `ValueError`.
     """
     keys = {"float32": "tf32" if tf32 else "fp32", "bfloat16": "bf16", "float16": "fp16"}
     if compute_dtype not in keys:
@@ -349,17 +294,7 @@ def compute_dtype_key(compute_dtype: str, tf32: bool = False) -> str:
 
 @functools.lru_cache(maxsize=1)
 def cpu_name() -> str:
-    """This machine's CPU model and logical core count, the key of the stored roof (cached).
-
-    Returns:
-        For example `"AMD EPYC, 2 cores"`.
-
-    Example:
-
-    ```python
-    cpu_name()
-    ```
-    """
+    """This machine's CPU model and logical core count (`"AMD EPYC, 2 cores"`), the roof's key."""
     model = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -374,17 +309,7 @@ def cpu_name() -> str:
 
 
 def cpu_has_bfloat16() -> bool:
-    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX-BF16; Linux only).
-
-    Returns:
-        True when `/proc/cpuinfo` lists `avx512_bf16` or `amx_bf16`.
-
-    Example:
-
-    ```python
-    policy = "mixed_bfloat16" if cpu_has_bfloat16() else None
-    ```
-    """
+    """Whether `/proc/cpuinfo` lists bfloat16 instructions (`avx512_bf16`, `amx_bf16`)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -398,18 +323,9 @@ def cpu_has_bfloat16() -> bool:
 
 
 def roof_path() -> Path:
-    """Where `bench --roof` stores the CPU roof and the monitor reads it.
+    """The roof file: `$KMK_ROOF_FILE`, else `keras-mirror-kit/roof.json` in the XDG cache."""
 
-    Returns:
-        `$KMK_ROOF_FILE` when set, else `$XDG_CACHE_HOME/keras-mirror-kit/roof.json`, else
-        `~/.cache/keras-mirror-kit/roof.json`.
-
-    Example:
-
-    ```python
-    roof_path()   # PosixPath('/home/me/.cache/keras-mirror-kit/roof.json')
-    ```
-    """
+    # The XDG cache is `$XDG_CACHE_HOME`, else `~/.cache`.
     explicit = os.environ.get(ROOF_FILE_ENV)
     if explicit:
         return Path(explicit).expanduser()
@@ -420,21 +336,8 @@ def roof_path() -> Path:
 def load_roof(path: Path | None = None, cpu: str | None = None) -> dict[str, Any]:
     """The stored roof of this CPU: `{"fp32": {"flops_per_sec": ...}, ...}`, `{}` if none.
 
-    An unreadable or malformed file is treated as absent (and logged at DEBUG), never
-    raised on: the monitor then reports no MFU.
-
-    Args:
-        path: The roof file; default `roof_path()`.
-        cpu: The CPU key; default `cpu_name()`.
-
-    Returns:
-        The entries by dtype key, each with at least `flops_per_sec`.
-
-    Example:
-
-    ```python
-    load_roof().get("fp32", {}).get("flops_per_sec")
-    ```
+    An unreadable or malformed file is treated as absent (logged at DEBUG), never raised on:
+    the monitor then reports no MFU.
     """
     path = roof_path() if path is None else path
     try:
@@ -457,29 +360,10 @@ def load_roof(path: Path | None = None, cpu: str | None = None) -> dict[str, Any
 def store_roof(
     measured: dict[str, dict[str, Any]], path: Path | None = None, cpu: str | None = None
 ) -> Path:
-    """Stores measured roofs for this CPU, keeping every other CPU's entries in the file.
+    """Stores measured roofs for this CPU, keeping other CPUs' entries; returns the path.
 
-    The file is replaced atomically (a temporary file in the same directory, then a
-    rename), so a reader never sees half a file. An existing file that is not the kit's
-    JSON is not overwritten.
-
-    Args:
-        measured: By dtype key, dicts with `flops_per_sec` (as `measure_matmul_roof`).
-        path: The roof file; default `roof_path()`.
-        cpu: The CPU key; default `cpu_name()`.
-
-    Returns:
-        The path written.
-
-    Raises:
-        ValueError: If `path` exists and is not a roof file written by the kit.
-        OSError: If the directory cannot be created or written.
-
-    Example:
-
-    ```python
-    store_roof({"fp32": measure_matmul_roof("float32")})
-    ```
+    The file is replaced atomically, so a reader never sees half a file. An existing file that
+    is not the kit's roof JSON is left alone (`ValueError`).
     """
     path = roof_path() if path is None else path
     data: dict[str, Any] = {"format": "keras-mirror-kit roof", "version": 1, "cpus": {}}
@@ -506,30 +390,11 @@ def store_roof(
 def measure_matmul_roof(
     dtype: str = "float32", size: int = 1024, repeats: int = 8, rounds: int = 5
 ) -> dict[str, Any]:
-    """Measures this machine's matmul FLOP/s in one dtype on the CPU, with all its cores.
+    """This machine's matmul FLOP/s in one dtype on the CPU, all cores, as a roof entry.
 
-    Runs `repeats` chained `size x size` matmuls per call of a traced function, `rounds`
-    times after one untimed call, and keeps the fastest round (the roof is what the
-    machine can do, so the least disturbed round is the estimate). A matmul counts
-    `2 size^3` FLOPs.
-
-    Args:
-        dtype: `"float32"`, `"bfloat16"` or `"float16"`.
-        size: Matrix side.
-        repeats: Matmuls per timed call.
-        rounds: Timed calls.
-
-    Returns:
-        `{"flops_per_sec", "dtype", "size", "seconds", "measured_at"}`.
-
-    Raises:
-        ValueError: If `dtype` is not one of the three, or a count is not positive.
-
-    Example:
-
-    ```python
-    measure_matmul_roof("bfloat16")["flops_per_sec"]
-    ```
+    `rounds` timed calls (after one untimed) of `repeats` chained `size x size` matmuls
+    (`2 size^3` FLOPs each); the fastest round is kept, since the roof is what the machine can
+    do. Returns `{"flops_per_sec", "dtype", "size", "seconds", "measured_at"}`.
     """
     compute_dtype_key(dtype)  # validates
     for name, value in (("size", size), ("repeats", repeats), ("rounds", rounds)):
@@ -564,30 +429,16 @@ def measure_matmul_roof(
 
 @dataclass(frozen=True)
 class PeakResolution:
-    """The peak FLOP/s of the devices a set of replicas runs on, and where it came from.
+    """The peak FLOP/s of the devices a set of replicas runs on, and where it came from."""
 
-    Attributes:
-        per_device: Peak FLOP/s of one physical device (one GPU, or the whole CPU), or None
-            when unknown.
-        devices: Physical devices the replicas of all workers run on (logical devices
-            split from one GPU or from the CPU count once).
-        dtype: The table's dtype key (`"fp32"`, `"tf32"`, `"bf16"`, `"fp16"`).
-        device_name: The device's name (GPU name as TensorFlow reports it, or the CPU).
-        source: Where `per_device` comes from (`"peak_flops="`, the table entry's
-            source, or the roof file), or why it is unknown.
-
-    Example:
-
-    ```python
-    peak = resolve_peak(["/device:GPU:0"], "bfloat16")
-    peak.total   # None on a GPU the table does not know
-    ```
-    """
-
-    per_device: float | None
+    per_device: float | None  # one physical device (one GPU, or the whole CPU); None: unknown
+    # Physical devices the replicas of all workers run on (logical devices split from one
+    # GPU or from the CPU count once).
     devices: int
-    dtype: str
-    device_name: str
+    dtype: str  # the table's dtype key
+    device_name: str  # the GPU's name as TensorFlow reports it, or the CPU's
+    # Where `per_device` comes from ("peak_flops=", the table entry's source, or the roof
+    # file), or why it is unknown.
     source: str
 
     @property
@@ -604,30 +455,11 @@ def resolve_peak(
 ) -> PeakResolution:
     """Finds the peak FLOP/s of the devices holding this process's replicas.
 
-    GPUs: the name TensorFlow reports for the first replica's GPU, looked up in
-    `GPU_PEAKS` for the compute dtype (float32 counts as TF32 where TensorFlow runs it so:
-    compute capability 8.0 or newer with TF32 execution enabled, TensorFlow's default).
-    Logical GPUs split from one physical GPU count as one device. CPU: the roof stored by
-    `keras-mirror-kit bench --roof` for this CPU and dtype; the CPU counts once however
-    many replicas share it. `peak_flops` (FLOP/s of one device) replaces the lookup.
-
-    Args:
-        devices: This process's replica devices (`Distribution.devices`).
-        compute_dtype: The model's compute dtype (`"float32"`, `"bfloat16"`, `"float16"`).
-        num_workers: Processes taking part, each with the same devices.
-        peak_flops: Peak FLOP/s of one device, given by the user.
-
-    Returns:
-        A `PeakResolution`; its `per_device` is None when the peak is unknown.
-
-    Raises:
-        ValueError: If `compute_dtype` is not one of the three.
-
-    Example:
-
-    ```python
-    resolve_peak(dist.devices, "float32", dist.num_workers).total
-    ```
+    GPUs: the first replica's GPU name looked up in `GPU_PEAKS` (float32 counts as TF32 on
+    compute capability 8.0+ with TF32 enabled, TensorFlow's default); logical GPUs split from
+    one physical GPU count once. CPU: the roof `bench --roof` stored for this CPU and dtype,
+    counted once however many replicas share it. `peak_flops` (one device) replaces the lookup.
+    `per_device` is None when the peak is unknown.
     """
     import tensorflow as tf
 

@@ -22,13 +22,6 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
 * `tf_data_iterator_stall`: `fit` stalls at epoch ends on a lost wake-up of `tf.data`'s
   autotuning thread (TensorFlow, not Keras). No upstream report found (see the module).
   Remove when `benchmarks/end_of_fit_stall.py` shows no stall with autotuning on.
-
-Example:
-
-```python
-from keras_mirror_kit.workarounds import keras_version_in
-keras_version_in(((3, 15, 0), (3, 16, 0)), "3.15.1")  # True
-```
 """
 
 from __future__ import annotations
@@ -39,23 +32,7 @@ __all__ = ["keras_version_in", "parse_version"]
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
-    """The first three numbers of a version string, zero-filled.
-
-    Args:
-        text: A version such as `"3.15.1"` or `"2.21.0rc1"`.
-
-    Returns:
-        `(major, minor, patch)`.
-
-    Raises:
-        Nothing: missing parts count as 0.
-
-    Example:
-
-    ```python
-    parse_version("2.21.0rc1")  # (2, 21, 0)
-    ```
-    """
+    """The first three numbers of a version, zero-filled: `"2.21.0rc1"` -> `(2, 21, 0)`."""
     numbers = [int(part) for part in re.findall(r"\d+", text)[:3]]
     return tuple((numbers + [0, 0, 0])[:3])  # type: ignore[return-value]
 
@@ -63,23 +40,9 @@ def parse_version(text: str) -> tuple[int, int, int]:
 def keras_version_in(
     tested: tuple[tuple[int, int, int], tuple[int, int, int]], keras_version: str | None = None
 ) -> bool:
-    """Whether a Keras version is in a workaround's tested range `low <= version < high`.
+    """Whether a Keras version (default: the installed one) is in a tested range `low <= v < high`.
 
-    Args:
-        tested: The `(low, high)` version triples (a module's `TESTED_KERAS`).
-        keras_version: The version to judge (default: the installed `keras.__version__`).
-
-    Returns:
-        True inside the range.
-
-    Raises:
-        ImportError: When `keras_version` is not given and Keras is not installed.
-
-    Example:
-
-    ```python
-    keras_version_in(((3, 15, 0), (3, 16, 0)), "3.15.1")  # True
-    ```
+    `tested` is a module's `TESTED_KERAS`; without `keras_version`, Keras must be importable.
     """
     if keras_version is None:
         import keras

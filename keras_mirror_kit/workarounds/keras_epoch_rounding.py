@@ -27,23 +27,10 @@ __all__ = ["check_step_arguments"]
 
 
 def check_step_arguments(model: Any, **steps: int | None) -> None:
-    """Rejects step counts (`steps_per_epoch=`, `validation_steps=`, `steps=`) Keras rounds up.
+    """Rejects, with a `ValueError`, step counts Keras would round up (see the module docstring).
 
-    Args:
-        model: The model about to be fit or evaluated.
-        **steps: The step-count arguments as given (None or 0: not given).
-
-    Returns:
-        None.
-
-    Raises:
-        ValueError: If a given count is not a multiple of `model.steps_per_execution`.
-
-    Example:
-
-    ```python
-    check_step_arguments(model, steps_per_epoch=12, validation_steps=None)
-    ```
+    `steps` are `steps_per_epoch=`, `validation_steps=` or `steps=` as given (None or 0: not
+    given); each must be a multiple of `model.steps_per_execution`.
     """
     per_execution = int(getattr(model, "steps_per_execution", 1) or 1)
     if per_execution == 1:

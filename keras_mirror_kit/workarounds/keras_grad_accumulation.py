@@ -74,41 +74,17 @@ _FIXED: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers `apply` fixed
 
 
 def accumulating_optimizer(optimizer: Any) -> Any:
-    """The optimizer that holds `gradient_accumulation_steps`: the inner one of a loss scaler.
-
-    Args:
-        optimizer: A Keras optimizer (or None).
-
-    Returns:
-        `optimizer.inner_optimizer` for a `LossScaleOptimizer`, else `optimizer`.
-
-    Example:
-
-    ```python
-    accumulating_optimizer(model.optimizer).gradient_accumulation_steps
-    ```
-    """
+    """The optimizer holding `gradient_accumulation_steps`: a `LossScaleOptimizer`'s inner one."""
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer.inner_optimizer
     return optimizer
 
 
 def status(keras_version: str | None = None) -> str:
-    """Says what the kit does for gradient accumulation under a strategy.
+    """`"tested"`, `"fixed-upstream"` or `"refused"`: what the kit does on this Keras version.
 
-    Args:
-        keras_version: Version to judge (default: the installed `keras.__version__`).
-
-    Returns:
-        `"tested"` (inside `TESTED_KERAS`: the workaround applies), `"fixed-upstream"`
-        (outside it, and Keras' TensorFlow optimizer has its own distributed accumulation
-        path), or `"refused"`.
-
-    Example:
-
-    ```python
-    status("3.15.1")  # "tested"
-    ```
+    `"fixed-upstream"` means outside `TESTED_KERAS` with Keras' TensorFlow optimizer defining its
+    own `_backend_apply_gradients` (the shape of the upstream fix).
     """
     if keras_version_in(TESTED_KERAS, keras_version):
         return "tested"
@@ -120,20 +96,7 @@ def status(keras_version: str | None = None) -> str:
 
 
 def is_fixed(optimizer: Any) -> bool:
-    """Whether `apply` gave this optimizer the distributed accumulation path.
-
-    Args:
-        optimizer: Any object (the accumulating optimizer, see `accumulating_optimizer`).
-
-    Returns:
-        True for an optimizer the kit fixed.
-
-    Example:
-
-    ```python
-    assert is_fixed(accumulating_optimizer(model.optimizer))
-    ```
-    """
+    """Whether `apply` gave this (accumulating) optimizer the distributed accumulation path."""
     try:
         return optimizer in _FIXED
     except TypeError:  # not weak-referenceable
@@ -237,26 +200,11 @@ def _install(optimizer: Any) -> None:
 
 
 def apply(optimizer: Any) -> bool:
-    """Makes a kit-built model's gradient accumulation work under its strategy.
+    """Gives an accumulating optimizer the distributed accumulation path; True if it now has it.
 
-    Nothing is done for an optimizer that does not accumulate, or one already fixed.
-
-    Args:
-        optimizer: The model's optimizer (a `LossScaleOptimizer`'s inner optimizer is the
-            one fixed).
-
-    Returns:
-        True if the optimizer now carries the fix.
-
-    Raises:
-        ValueError: On a Keras version outside `TESTED_KERAS` without the upstream fix, or
-            for an optimizer with `use_ema=True` (raised before any step).
-
-    Example:
-
-    ```python
-    apply(model.optimizer)
-    ```
+    Nothing is done for an optimizer that does not accumulate or is already fixed (the inner
+    optimizer of a `LossScaleOptimizer` is the one fixed). Raises `ValueError`, before any step,
+    on a Keras outside `TESTED_KERAS` without the upstream fix, or for `use_ema=True`.
     """
     inner = accumulating_optimizer(optimizer)
     steps = getattr(inner, "gradient_accumulation_steps", None)

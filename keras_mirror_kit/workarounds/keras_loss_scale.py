@@ -75,22 +75,10 @@ def _bug_in_source(optimizer_class: Any) -> bool:
 
 
 def status(keras_version: str | None = None) -> str:
-    """Says what the kit does for float16 loss scaling on more than one replica.
+    """`"tested"`, `"fixed-upstream"` or `"refused"`: what the kit does on this Keras version.
 
-    Args:
-        keras_version: Version to judge (default: the installed `keras.__version__`).
-
-    Returns:
-        `"tested"` (inside `TESTED_KERAS`: the workaround applies), `"fixed-upstream"`
-        (outside it, and Keras' `LossScaleOptimizer` no longer trusts replica 0 alone),
-        or `"refused"` (outside it and the bug is still there, or the source is
-        unreadable: the kit refuses a multi-replica `LossScaleOptimizer`).
-
-    Example:
-
-    ```python
-    status("3.15.1")  # "tested"
-    ```
+    Outside `TESTED_KERAS` Keras' source decides: `"refused"` while `LossScaleOptimizer` still
+    trusts replica 0 alone or its source is unreadable (a multi-replica one is then refused).
     """
     if keras_version_in(TESTED_KERAS, keras_version):
         return "tested"
@@ -100,20 +88,7 @@ def status(keras_version: str | None = None) -> str:
 
 
 def is_fixed(optimizer: Any) -> bool:
-    """Whether `apply` gave this optimizer the replica-agreeing finite check.
-
-    Args:
-        optimizer: Any object.
-
-    Returns:
-        True for a `LossScaleOptimizer` the kit fixed.
-
-    Example:
-
-    ```python
-    assert is_fixed(model.optimizer)
-    ```
-    """
+    """Whether `apply` gave this `LossScaleOptimizer` the replica-agreeing finite check."""
     try:
         return optimizer in _FIXED
     except TypeError:  # not weak-referenceable
@@ -187,27 +162,10 @@ def _follow_compile(model: Any, replicas: int) -> None:
 def apply(model: Any, strategy: tf.distribute.Strategy) -> bool:
     """Makes a kit-built model's `LossScaleOptimizer` skip a step when any replica overflows.
 
-    With one replica nothing is done. With more, the model's `LossScaleOptimizer` (now, or
-    after a later `compile()` when the model is not compiled yet) gets a finite check that
-    all replicas agree on (module docstring).
-
-    Args:
-        model: A model built under `strategy` (what `prepare_model` prepares).
-        strategy: Its strategy.
-
-    Returns:
-        True if the model's optimizer now carries the fix.
-
-    Raises:
-        ValueError: On a Keras version outside `TESTED_KERAS` whose `LossScaleOptimizer`
-            still trusts replica 0 alone, for a model with a `LossScaleOptimizer` on more
-            than one replica (raised before any step; use `mixed_bfloat16`).
-
-    Example:
-
-    ```python
-    apply(model, build_model.distribution.strategy)
-    ```
+    With one replica nothing is done; with more, the optimizer gets a finite check all replicas
+    agree on, now or after a later `compile()` of an uncompiled model. True if the optimizer now
+    carries the fix. Raises `ValueError`, before any step, on a Keras outside `TESTED_KERAS` that
+    still trusts replica 0 alone (the message points to `mixed_bfloat16`).
     """
     replicas = int(strategy.num_replicas_in_sync)
     if replicas <= 1:

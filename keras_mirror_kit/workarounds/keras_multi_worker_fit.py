@@ -99,20 +99,7 @@ def _trainer_module() -> Any:
 
 
 def is_multi_worker(strategy: Any) -> bool:
-    """Whether `strategy` is a `MultiWorkerMirroredStrategy` spanning more than one worker.
-
-    Args:
-        strategy: Any object (a `tf.distribute.Strategy`, or None).
-
-    Returns:
-        True for a multi-worker `MultiWorkerMirroredStrategy`, else False.
-
-    Example:
-
-    ```python
-    is_multi_worker(tf.distribute.MirroredStrategy())  # False
-    ```
-    """
+    """Whether `strategy` is a `MultiWorkerMirroredStrategy` spanning more than one worker."""
     if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return False
     in_multi_worker_mode = getattr(strategy.extended, "_in_multi_worker_mode", None)
@@ -120,20 +107,7 @@ def is_multi_worker(strategy: Any) -> bool:
 
 
 def mode() -> str:
-    """Reads `KMK_KERAS_WORKAROUND`: `auto` (default), `on` or `off`.
-
-    Returns:
-        The mode, lower-cased.
-
-    Raises:
-        ValueError: For any other value.
-
-    Example:
-
-    ```python
-    if mode() == "off": ...
-    ```
-    """
+    """`KMK_KERAS_WORKAROUND`, lower-cased: `auto` (default), `on` or `off` (else `ValueError`)."""
     raw = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if raw not in _MODES:
         raise ValueError(
@@ -169,21 +143,10 @@ def _original(name: str, trainer: Any) -> Any:
 
 
 def status(keras_version: str | None = None) -> str:
-    """Says whether this Keras needs the multi-worker `fit` workaround.
+    """`"tested"`, `"fixed-upstream"` or `"untested"`: whether this Keras needs the workaround.
 
-    Args:
-        keras_version: Version to judge (default: the installed `keras.__version__`).
-
-    Returns:
-        `"tested"` (inside `TESTED_KERAS`: the workaround applies), `"fixed-upstream"`
-        (outside it, and Keras' source no longer has the failing calls), or `"untested"`
-        (outside it and the failing calls are still there, or the source is unreadable).
-
-    Example:
-
-    ```python
-    status("3.15.1")  # "tested"
-    ```
+    Outside `TESTED_KERAS`, `"fixed-upstream"` when Keras' source no longer has the failing
+    calls, `"untested"` when it still has them or cannot be read.
     """
     if keras_version_in(TESTED_KERAS, keras_version):
         return "tested"
@@ -191,17 +154,7 @@ def status(keras_version: str | None = None) -> str:
 
 
 def is_applied() -> bool:
-    """Whether the wrappers are installed in this process.
-
-    Returns:
-        True once `apply` installed them.
-
-    Example:
-
-    ```python
-    assert not is_applied()   # before any multi-worker strategy
-    ```
-    """
+    """Whether `apply` has installed the wrappers in this process."""
     try:
         trainer = _trainer_module()
         return (
@@ -213,28 +166,13 @@ def is_applied() -> bool:
 
 
 def apply(strategy: Any) -> bool:
-    """Installs the multi-worker `model.fit` workaround if `strategy` needs it (idempotent).
+    """Installs the wrappers if `strategy` needs them (idempotent); True if they are installed.
 
-    Nothing is installed for a strategy that is not a multi-worker
-    `MultiWorkerMirroredStrategy`, when `KMK_KERAS_WORKAROUND=off`, or when a Keras outside
-    `TESTED_KERAS` is judged fixed upstream. A Keras outside the range that still has the
-    failing calls gets a `KerasWorkaroundWarning` and the wrappers.
-
-    Args:
-        strategy: The strategy `model.fit` will run under.
-
-    Returns:
-        True if the wrappers are installed (now or before), False otherwise.
-
-    Raises:
-        ValueError: If `KMK_KERAS_WORKAROUND` is not `auto`, `on` or `off`.
-
-    Example:
-
-    ```python
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    keras_multi_worker_fit.apply(strategy)
-    ```
+    Nothing is installed for a strategy that is not a multi-worker `MultiWorkerMirroredStrategy`,
+    with `KMK_KERAS_WORKAROUND=off`, or when a Keras outside `TESTED_KERAS` is judged fixed
+    upstream; one outside the range that still has the failing calls gets a
+    `KerasWorkaroundWarning` and the wrappers. An invalid `KMK_KERAS_WORKAROUND` raises
+    `ValueError`.
     """
     chosen = mode()
     if not is_multi_worker(strategy):

@@ -85,20 +85,10 @@ M = TypeVar("M")
 
 
 def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
-    """Returns `dataset` with tf.data autotuning off (no autotuning model thread).
+    """`dataset` with tf.data autotuning off, so no autotuning model thread can stall its iterator.
 
-    Args:
-        dataset: A `tf.data.Dataset`.
-
-    Returns:
-        The same pipeline with `options.autotune.enabled = False`; `AUTOTUNE` parallelism
-        and buffer sizes then take TensorFlow's fixed defaults.
-
-    Example:
-
-    ```python
-    model.fit(without_autotune(my_dataset), epochs=10)
-    ```
+    `AUTOTUNE` parallelism and buffer sizes then take TensorFlow's fixed defaults. For a
+    dataset of your own: `model.fit(without_autotune(my_dataset), epochs=10)`.
     """
     options = tf.data.Options()
     options.autotune.enabled = False
@@ -145,20 +135,10 @@ def _install() -> bool:
 def per_device_autotune_disabled() -> Iterator[None]:
     """Inside the block, TensorFlow's per-replica input pipelines are built without autotuning.
 
-    Covers the pipelines that `tf.distribute` builds for each replica when a distributed
-    iterator is created (by `model.fit`, `evaluate`, `predict`, or `iter()` on a distributed
-    dataset) in this thread. Re-entrant, and per thread: pipelines built outside any such
-    block, including those another thread builds while this one is inside, are untouched.
-
-    Returns:
-        A context manager.
-
-    Example:
-
-    ```python
-    with per_device_autotune_disabled():
-        model.fit(train_ds, epochs=10)
-    ```
+    Covers the pipelines `tf.distribute` builds for each replica when a distributed iterator is
+    created (by `fit`, `evaluate`, `predict`, or `iter()` on a distributed dataset) in this
+    thread. Re-entrant, and per thread: pipelines built outside any such block, including those
+    another thread builds while this one is inside, are untouched.
     """
     with _lock:
         _install()
@@ -170,20 +150,7 @@ def per_device_autotune_disabled() -> Iterator[None]:
 
 
 def is_applied(model: Any) -> bool:
-    """Whether `apply(model)` has wrapped this model's methods.
-
-    Args:
-        model: Any object.
-
-    Returns:
-        True after `apply(model)`.
-
-    Example:
-
-    ```python
-    assert is_applied(apply(model))
-    ```
-    """
+    """Whether `apply(model)` has wrapped this model's methods."""
     try:
         return model in _APPLIED
     except TypeError:  # not weak-referenceable
@@ -200,22 +167,10 @@ def _wrap(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def apply(model: M) -> M:
-    """Makes the model's `fit`, `evaluate` and `predict` run inside the workaround.
+    """Wraps the model's `fit`, `evaluate` and `predict` to run inside the block; returns it.
 
-    The methods are wrapped on this instance only (like `distributed()` wraps `compile`),
-    so other models and the class are untouched. Applying twice is a no-op.
-
-    Args:
-        model: A `keras.Model`.
-
-    Returns:
-        The same model.
-
-    Example:
-
-    ```python
-    model = tf_data_iterator_stall.apply(build_model())
-    ```
+    Wrapped on this instance only (as `distributed()` wraps `compile`), so other models and the
+    class are untouched; applying twice is a no-op.
     """
     if is_applied(model):
         return model
