@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> float:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("tensorflow").setLevel(logging.WARNING)  # its per-step INFO chatter
 
+    from keras_mirror_kit.cli.tf_start import start_tensorflow
+
+    start_tensorflow()  # without TensorFlow's start-up lines (TF_CPP_MIN_LOG_LEVEL=0 shows them)
     import keras_mirror_kit as kmk
 
     if args.simulate_replicas:

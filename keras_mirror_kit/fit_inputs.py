@@ -178,6 +178,29 @@ def dataset_cursor(dataset: Any) -> Any:
     return info.cursor if info is not None else None
 
 
+def _check_training_remainder(x: Any, dist: Distribution) -> None:
+    """A kit dataset kept for training must not end on a batch the replicas split unevenly.
+
+    Each replica's loss is the mean over its own part, and the parts' gradients are summed:
+    parts of 7 and 6 samples weigh the samples of the smaller part more than one device
+    would, and an empty part cannot train at all.
+    """
+    info = _find(x, _KEEPS_EPOCH)[0]
+    if info is None:
+        return
+    last = info.epoch_samples % info.batch_size
+    if last and last % dist.num_replicas:
+        raise ValueError(
+            f"fit() was given a dataset whose last batch holds {last} samples, which does not "
+            f"split evenly over {dist.num_replicas} replicas: that step would weigh its "
+            "samples unequally (or leave a replica without any), unlike one device. Build the "
+            "training dataset with drop_remainder=True (the default with shuffle=True), or "
+            f"with a number of samples whose remainder is a multiple of {dist.num_replicas}. "
+            "Evaluation and prediction take a last batch of any size. "
+            f"Received: batch_size={info.batch_size}, samples={info.epoch_samples}"
+        )
+
+
 def check_input(x: Any, dist: Distribution, method: str, argument: str = "x") -> None:
     """Checks data given to `fit`, `evaluate` or `predict` of a model built under `dist`.
 
@@ -194,6 +217,7 @@ def check_input(x: Any, dist: Distribution, method: str, argument: str = "x") ->
         )
     if method != "fit" or argument != "x":
         return
+    _check_training_remainder(x, dist)
     size = dataset_batch_size(x)
     if size is not None and size != dist.global_batch_size:
         raise ValueError(

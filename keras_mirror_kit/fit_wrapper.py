@@ -10,6 +10,9 @@
   model's record (`batch_plan`, read by `ThroughputMonitor`);
 * run the callbacks that add figures to `logs` first, so loggers listed before them still
   see their figures;
+* key the order of a kit dataset's epoch on Keras' epoch number (`EpochOrder`), so epoch
+  `e` sees the order of epoch `e` whatever else iterated the dataset before (Keras' own
+  first-batch build, a peek, an `evaluate`) and whichever callbacks are listed;
 * feed the replicas a `make_dataset` dataset in its stored dtype when its `preprocess` runs
   on the replicas (`keras_mirror_kit.replica_preprocess`).
 
@@ -22,18 +25,29 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import types
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import keras
+import tensorflow as tf
 
 from keras_mirror_kit import replica_preprocess
+from keras_mirror_kit.data.cursor import DatasetCursor
 from keras_mirror_kit.distribution import Distribution
-from keras_mirror_kit.fit_inputs import BatchPlan, check_input, is_array_data, plan_batches
+from keras_mirror_kit.fit_inputs import (
+    BatchPlan,
+    check_input,
+    dataset_cursor,
+    is_array_data,
+    plan_batches,
+)
 from keras_mirror_kit.model_record import record_of
+from keras_mirror_kit.workarounds import keras_jit_replicas
 from keras_mirror_kit.workarounds.keras_epoch_rounding import check_step_arguments
 
 __all__ = [
+    "EpochOrder",
     "FitHooks",
     "batch_plan",
     "install",
@@ -111,6 +125,34 @@ def _check_fit_data(callbacks: Any, x: Any) -> None:
             hook(x)
 
 
+class EpochOrder(keras.callbacks.Callback):
+    """Points the training dataset's cursor at Keras' epoch when each epoch begins.
+
+    A kit dataset's cursor otherwise counts iterations, and Keras itself iterates the
+    dataset once before the first epoch (to build the model from a batch). Listed first, so
+    that `SyncedCheckpoint`, which sets the skip of a resumed epoch, runs after it.
+    """
+
+    def __init__(self, cursor: DatasetCursor) -> None:
+        super().__init__()
+        self.cursor = cursor
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.cursor.set(epoch)
+
+
+def _orders_itself(x: Any) -> bool:
+    """Data whose order Keras does not choose (and warns about when `shuffle=True`)."""
+    return isinstance(x, (tf.data.Dataset, types.GeneratorType))
+
+
+def _with_epoch_order(callbacks: Any, x: Any) -> Any:
+    cursor = dataset_cursor(x)
+    if cursor is None or isinstance(callbacks, keras.callbacks.CallbackList):
+        return callbacks
+    return [EpochOrder(cursor), *_listed(callbacks)]
+
+
 def batch_plan(model: Any) -> BatchPlan | None:
     """The batch the running `fit` of a model the kit prepared uses; None outside a `fit`."""
     record = record_of(model)
@@ -146,6 +188,7 @@ def install(model: Any, dist: Distribution) -> None:
             for argument in _data:
                 check_input(given.get(argument), dist, _method, argument)
             check_step_arguments(model, **{name: given.get(name) for name in _steps})
+            keras_jit_replicas.check(model, len(dist.devices), f"{_method}()")
             if is_array_data(given.get("x")) and not given.get("batch_size"):
                 given["batch_size"] = dist.global_batch_size  # not Keras' default of 32
             if "callbacks" in given:
@@ -153,8 +196,11 @@ def install(model: Any, dist: Distribution) -> None:
             if _method != "fit":
                 with replica_preprocess.applied(model, _method, given):  # after the checks
                     return _original(*bound.args, **bound.kwargs)
+            if "shuffle" not in given and _orders_itself(given.get("x")):
+                given["shuffle"] = False  # Keras would warn that it ignores shuffle=True
             callbacks = given.get("callbacks")
             _check_fit_data(callbacks, given.get("x"))
+            given["callbacks"] = _with_epoch_order(callbacks, given.get("x"))
             plan = plan_batches(
                 given.get("x"),
                 dist,

@@ -31,7 +31,9 @@ from keras_mirror_kit.precision import keep_outputs_float32
 from keras_mirror_kit.schedules import check_accumulation
 from keras_mirror_kit.workarounds import (
     keras_grad_accumulation,
+    keras_jit_replicas,
     keras_loss_scale,
+    keras_uneven_first_batch,
     tf_data_iterator_stall,
 )
 
@@ -155,10 +157,19 @@ def _compile_inside_scope(model: keras.Model, dist: Distribution, options: Model
             original(*args, **kwargs)
         name = f"compile() of {model.name!r}"
         check_model(model, dist, factory_name=name)
-        _apply_steps_per_execution(model, options.steps_per_execution, name)
-        _apply_gradient_accumulation(model, dist.gradient_accumulation_steps, name)
+        _apply_compile_settings(model, dist, options, name)
 
     object.__setattr__(model, "compile", compile_in_scope)
+
+
+def _apply_compile_settings(
+    model: Any, dist: Distribution, options: ModelOptions, name: str
+) -> None:
+    """What a compiled model gets from `distributed()`, and what its compile may not ask."""
+    _apply_steps_per_execution(model, options.steps_per_execution, name)
+    _apply_gradient_accumulation(model, dist.gradient_accumulation_steps, name)
+    keras_jit_replicas.check(model, len(dist.devices), name)
+    keras_jit_replicas.note_auto(model, has_gpus=any("GPU" in d.upper() for d in dist.devices))
 
 
 def is_prepared(model: Any) -> bool:
@@ -190,8 +201,7 @@ def prepare_model(
     if options.sync_batch_norm:
         synchronize_batch_norm(model)
     if model.compiled:
-        _apply_steps_per_execution(model, options.steps_per_execution, name)
-        _apply_gradient_accumulation(model, dist.gradient_accumulation_steps, name)
+        _apply_compile_settings(model, dist, options, name)
     elif not record.prepared:
         _compile_inside_scope(model, dist, options)
     keras_loss_scale.apply(model, dist.strategy)  # float16: every replica agrees on overflow
@@ -199,4 +209,5 @@ def prepare_model(
         return
     fit_wrapper.install(model, dist)
     tf_data_iterator_stall.apply(model)  # no tf.data autotuning thread: see tf_data_iterator_stall
+    keras_uneven_first_batch.apply(model)  # evaluation on batches that split unevenly
     record.prepared = True

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from keras_mirror_kit.cli.tf_start import STARTUP_NOISE
 from tests.subproc import REPO
 from tests.test_datasets_cifar10 import CAPTIVE_PORTAL, NO_PROXY_ENV, Served, serve, snapshot
 
@@ -105,6 +106,7 @@ def test_example_auto_falls_back_loudly_when_the_download_fails_and_saves(tmp_pa
     assert (tmp_path / "out" / "model.keras").exists()
     assert (tmp_path / "cifar10_checkpoints" / "manifest.json").exists()
     assert "samples_per_sec" in proc.stdout  # Keras' progress line shows the monitor's logs
+    assert_first_screen_is_quiet(proc.stderr)
     import keras
 
     import keras_mirror_kit  # noqa: F401  (registers WarmupSchedule for loading)
@@ -239,6 +241,36 @@ def test_cli_info_reports_versions_devices_and_choice(tmp_path):
     text = run(["-m", "keras_mirror_kit.cli", "info"], tmp_path)
     assert text.returncode == 0 and "NCCL usable      no" in text.stdout
     assert "MirroredStrategy" in text.stdout
+    assert_first_screen_is_quiet(text.stderr)
+
+
+def assert_first_screen_is_quiet(stderr: str) -> None:
+    """No TensorFlow start-up lines (they print on this machine without the filter: no GPU,
+    no CUDA driver) and no Keras warning that the kit's own shuffling ignores `shuffle`."""
+    noisy = [
+        line
+        for line in stderr.splitlines()
+        if STARTUP_NOISE.match(line) or "cuInit" in line or "shuffle=True` was passed" in line
+    ]
+    assert not noisy, noisy
+
+
+def test_the_start_up_filter_drops_tensorflows_lines_and_keeps_everything_else(tmp_path):
+    code = (
+        "import os\n"
+        "from keras_mirror_kit.cli.tf_start import _filtered_stderr\n"
+        "with _filtered_stderr():\n"
+        "    os.write(2, b'WARNING: All log messages before absl::InitializeLog() is called "
+        "are written to STDERR\\nkeep 1\\nI0000 00:00:1796.1   22045 cudart_stub.cc:31] "
+        "Could not find cuda drivers\\n')\n"
+        "    os.write(2, b'E0000 00:00:17.9   2 cuda_platform.cc:52] failed call to cuInit: "
+        "INTERNAL\\nkeep 2 cudart_stub.cc:31] (not at a line start)\\nno newline')\n"
+        "os.write(2, b' and after\\n')\n"
+    )
+    proc = run(["-c", code], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    kept = "keep 1\nkeep 2 cudart_stub.cc:31] (not at a line start)\nno newline and after\n"
+    assert proc.stderr == kept
 
 
 def test_cli_bench_figures_agree_with_what_was_requested_and_measured(tmp_path):

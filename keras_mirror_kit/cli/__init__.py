@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         return launch_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command != "ckpt" or args.ckpt_command == "export":  # commands that use TensorFlow
+        from keras_mirror_kit.cli.tf_start import start_tensorflow
+
+        start_tensorflow()
     if args.command == "info":
         from keras_mirror_kit.cli import info
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,16 +34,6 @@ from keras_mirror_kit.data.preprocess import (
 from keras_mirror_kit.validation import non_negative_int, positive_int
 
 __all__ = ["make_dataset"]
-
-
-def _default_replicas() -> int:
-    """The active strategy's replicas; else those of the Distributions created so far."""
-    if tf.distribute.has_strategy():
-        return int(tf.distribute.get_strategy().num_replicas_in_sync)
-    from keras_mirror_kit.distribution import known_replica_counts
-
-    counts = known_replica_counts()
-    return max(counts) if counts else 1
 
 
 def _multi_worker_expected() -> bool:
@@ -96,10 +87,11 @@ def make_dataset(
             pipeline built on top of it such as `ds.repeat()`) always gets the
             host-preprocessed batches.
         drop_remainder: Drop the last partial batch. Defaults to `shuffle` (dropped for
-            training, kept for evaluation).
-        num_replicas: Replicas the batches are split over, used to check that a kept
-            partial batch leaves no replica empty; defaults to the active strategy's, or
-            else to the largest replica count of the `Distribution`s created so far.
+            training, kept for evaluation). A kept last batch of any size is fine for
+            `evaluate`, validation and `predict` (each replica takes its part, some none);
+            `fit` refuses, before any step, to train on one that does not split evenly
+            over the model's replicas (that step would weigh its samples unequally).
+        num_replicas: Deprecated, without effect (a `DeprecationWarning` when given).
         prefetch: Add a `prefetch(tf.data.AUTOTUNE)` at the end.
 
     Returns:
@@ -112,9 +104,8 @@ def make_dataset(
     Raises:
         TypeError: On a missing or non-integer batch size or a non-callable `preprocess`.
         ValueError: On an empty dataset, arrays of different lengths, a non-positive batch
-            size, a batch larger than the data when dropping the remainder, a partial
-            final batch that would leave a replica empty, an unknown `preprocess_on`, or
-            `preprocess_on="replica"` without a `preprocess`.
+            size, a batch larger than the data when dropping the remainder, an unknown
+            `preprocess_on`, or `preprocess_on="replica"` without a `preprocess`.
 
     Example:
 
@@ -135,13 +126,19 @@ def make_dataset(
             "in the same order before the data is sharded, or the workers' slices of a "
             "global batch overlap. Pass the same seed on every worker. Received: seed=None"
         )
-    replicas = (
-        _default_replicas() if num_replicas is None else positive_int("num_replicas", num_replicas)
-    )
+    if num_replicas is not None:
+        positive_int("num_replicas", num_replicas)
+        warnings.warn(
+            "make_dataset(num_replicas=) is deprecated and has no effect: evaluation and "
+            "prediction take a last batch of any size, and fit() refuses a training dataset "
+            "whose last batch does not split evenly over the model's replicas.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     drop = shuffle if drop_remainder is None else bool(drop_remainder)
     arrays = (x,) if y is None else (x, y)
     n = _num_samples(arrays)
-    num_batches = _num_batches(n, batch_size, drop, replicas)
+    num_batches = _num_batches(n, batch_size, drop)
     seed_given = seed is not None
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**31 - 1))
@@ -233,20 +230,12 @@ def _num_samples(arrays: tuple[Any, ...]) -> int:
     return n
 
 
-def _num_batches(n: int, batch_size: int, drop: bool, replicas: int) -> int:
+def _num_batches(n: int, batch_size: int, drop: bool) -> int:
     if drop and batch_size > n:
         raise ValueError(
             f"`batch_size` ({batch_size}) is larger than the data ({n} samples), so with "
             "drop_remainder=True every batch would be dropped. Use a smaller batch size or "
             f"drop_remainder=False. Received: batch_size={batch_size}"
-        )
-    remainder = n % batch_size
-    if not drop and remainder and remainder % replicas:
-        raise ValueError(
-            f"The last batch would hold {remainder} samples, which does not split evenly over "
-            f"{replicas} replicas (Keras cannot train or evaluate on an uneven or empty "
-            "per-replica batch). Pass drop_remainder=True, or use a batch size that leaves a "
-            f"remainder divisible by {replicas}. Received: batch_size={batch_size}, len(x)={n}"
         )
     return n // batch_size if drop else math.ceil(n / batch_size)
 

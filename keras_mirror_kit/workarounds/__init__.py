@@ -9,6 +9,14 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
   (first-batch build, per-replica log reduction). Upstream: keras-team/keras#20585,
   tensorflow/tensorflow#72388. Remove when Keras' source no longer has the failing calls
   (`tests/test_multi_worker.py::test_workaround_version_guard`).
+* `keras_uneven_first_batch`: `fit` and `evaluate` fail when the first batch does not
+  split evenly over the replicas (a small validation set, one sample on two replicas):
+  the symbolic build averages the replicas' parts. Upstream: keras-team/keras#19246. Remove
+  when `tests/test_uneven_evaluation.py::test_plain_keras_still_fails_on_an_uneven_first_batch`
+  fails.
+* `keras_jit_replicas`: `jit_compile=True` fails at the first step with several replicas
+  in one process; refused at `compile()`. Upstream: keras-team/keras#19005. Remove when
+  `tests/test_jit_compile.py::test_plain_keras_jit_still_fails_on_two_replicas` fails.
 * `keras_loss_scale`: float16 loss scaling decides overflow from replica 0 alone. Upstream:
   the code of keras-team/keras#18691. Remove when
   `tests/test_loss_scale.py::test_plain_keras_still_trusts_replica_0` fails.

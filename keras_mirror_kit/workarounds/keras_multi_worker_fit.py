@@ -57,6 +57,10 @@ import keras
 import tensorflow as tf
 
 from keras_mirror_kit.workarounds import keras_version_in
+from keras_mirror_kit.workarounds.keras_uneven_first_batch import (
+    SYMBOLIC_BUILD_BUG,
+    first_local_part,
+)
 
 __all__ = [
     "ENV_VAR",
@@ -81,7 +85,7 @@ _MODES = ("auto", "on", "off")
 _INSTALLED: list[Any] = []  # the two replacements `_install` set, while they are set
 
 # The two calls that fail under a multi-worker strategy, as they read in Keras' source.
-_SYMBOLIC_BUILD_BUG = re.compile(r"distribute_strategy\.reduce\(")
+_SYMBOLIC_BUILD_BUG = SYMBOLIC_BUILD_BUG
 _REDUCE_PER_REPLICA_BUG = re.compile(r"strategy\.reduce\(\s*[\"']MEAN[\"']\s*,\s*v\s*,\s*axis=0")
 
 _lock = threading.Lock()
@@ -255,15 +259,7 @@ def _install() -> None:
         # As Keras does: the first batch of the first epoch's iterator. Then build from the
         # first local replica's part instead of a collective "mean" of the batch.
         for _, _, it in iterator:
-            batch = next(it)
-            data_batch = tf.nest.map_structure(
-                lambda v: (
-                    strategy.experimental_local_results(v)[0]
-                    if isinstance(v, tf.distribute.DistributedValues)
-                    else v
-                ),
-                batch,
-            )
+            data_batch = first_local_part(next(it), strategy)
             break
         return original_build(self, iterator=None, data_batch=data_batch)
 

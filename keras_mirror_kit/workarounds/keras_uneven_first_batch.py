@@ -1,0 +1,120 @@
+"""Evaluation and prediction on batches that do not split evenly over the replicas.
+
+Upstream: keras-team/keras#19246 (open against Keras 3.15). Before each `fit` and `evaluate`,
+Keras 3's TensorFlow trainer learns the data's shapes for its symbolic build from
+`strategy.reduce("MEAN", first_batch, axis=None)`, an element-wise mean of the replicas'
+parts of the first batch. When that batch does not split evenly (a validation set of 29
+samples in one batch of 32 on 2 replicas: parts of 15 and 14 rows; one sample on two
+replicas: 1 and 0), the mean fails after the epoch's work: `InvalidArgumentError: Inputs to
+operation AddN of type AddN must have the same size and shape`. Everything else in Keras'
+loops takes uneven and empty per-replica batches (tf.distribute splits a partial batch,
+and the loss tracker and metrics weigh each part by its real size), so evaluation and
+prediction on any number of samples give exactly what one replica gives
+(`tests/test_uneven_evaluation.py`).
+
+The fix, on each model the kit builds (its class and other models are untouched): build
+from the first local replica's part of the batch, whose shapes (but for the batch size,
+which the build does not depend on) are those of every part; no collective is issued.
+`keras_multi_worker_fit` fixes the same call for models under a multi-worker strategy that
+the kit did not build, with the same function (`first_local_part`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import weakref
+from typing import Any
+
+import tensorflow as tf
+
+from keras_mirror_kit.workarounds import keras_version_in
+
+__all__ = [
+    "TESTED_KERAS",
+    "UPSTREAM",
+    "apply",
+    "bug_in_source",
+    "first_local_part",
+    "is_applied",
+    "status",
+]
+
+UPSTREAM = "keras-team/keras#19246"
+#: Keras versions the workaround was tested on: `low <= version < high`.
+TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
+# The failing call, as it reads in Keras' `_maybe_symbolic_build`.
+SYMBOLIC_BUILD_BUG = re.compile(r"distribute_strategy\.reduce\(")
+
+_APPLIED: weakref.WeakSet[Any] = weakref.WeakSet()  # models `apply` fixed
+
+
+def bug_in_source(keras_trainer_class: Any = None) -> bool | None:
+    """Whether Keras' `_maybe_symbolic_build` still reduces the batch (None: unreadable)."""
+    try:
+        if keras_trainer_class is None:
+            from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+            keras_trainer_class = TensorFlowTrainer
+        source = inspect.getsource(keras_trainer_class._maybe_symbolic_build)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return None
+    return bool(SYMBOLIC_BUILD_BUG.search(source))
+
+
+def first_local_part(batch: Any, strategy: tf.distribute.Strategy) -> Any:
+    """`batch` with each distributed value replaced by its first local replica's part."""
+    return tf.nest.map_structure(
+        lambda v: (
+            strategy.experimental_local_results(v)[0]
+            if isinstance(v, tf.distribute.DistributedValues)
+            else v
+        ),
+        batch,
+    )
+
+
+def is_applied(model: Any) -> bool:
+    """Whether `apply(model)` replaced this model's `_maybe_symbolic_build`."""
+    try:
+        return model in _APPLIED
+    except TypeError:
+        return False
+
+
+def apply(model: Any) -> bool:
+    """Builds this model from the first replica's part of a first batch (idempotent).
+
+    Not applied when Keras' source no longer has the reduction (fixed upstream) or cannot be
+    read outside `TESTED_KERAS`; True when the model has the fix.
+    """
+    if is_applied(model):
+        return True
+    if not keras_version_in(TESTED_KERAS) and bug_in_source() is not True:
+        return False
+    original = getattr(model, "_maybe_symbolic_build", None)
+    if original is None:
+        return False
+
+    @functools.wraps(original)
+    def maybe_symbolic_build(iterator: Any = None, data_batch: Any = None) -> Any:
+        strategy = getattr(model, "_distribute_strategy", None)
+        if iterator is None or strategy is None:
+            return original(iterator=iterator, data_batch=data_batch)
+        for _, _, it in iterator:  # as Keras does: the first batch of the first epoch
+            data_batch = first_local_part(next(it), strategy)
+            break
+        return original(iterator=None, data_batch=data_batch)
+
+    object.__setattr__(model, "_maybe_symbolic_build", maybe_symbolic_build)
+    _APPLIED.add(model)
+    return True
+
+
+def status(keras_version: str | None = None) -> str:
+    """`"tested"`, `"fixed-upstream"` or `"untested"` for this (or the given) Keras version."""
+    if keras_version_in(TESTED_KERAS, keras_version):
+        return "tested"
+    return "fixed-upstream" if bug_in_source() is False else "untested"
+

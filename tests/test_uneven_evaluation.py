@@ -1,0 +1,154 @@
+"""Evaluation, validation and prediction of any size give exactly what one replica gives.
+
+Each case builds the same model (same weights) on 1 and on 2 replicas of this process and
+compares loss, every compiled metric (unweighted and weighted) and the predicted rows, on
+sizes that leave a last batch of 13 samples (split 7/6), 1 sample (1/0: a replica without
+any), and a set smaller than one global batch. Training keeps its rule: a kit dataset whose
+last batch would split unevenly is refused before any step.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_mirror_kit as kmk
+from keras_mirror_kit.workarounds import keras_uneven_first_batch
+
+ONE, TWO = ["/cpu:0"], ["/cpu:0", "/cpu:1"]
+GLOBAL = 16
+TOLERANCE = 1e-6
+
+
+def _images(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, size=(n, 6, 6, 3), dtype=np.uint8)
+    y = (x[:, :3].mean(axis=(1, 2, 3)) > x[:, 3:].mean(axis=(1, 2, 3))).astype("int32")
+    return x, y + (x[:, 0, 0, 0] > 127)
+
+
+def _build(devices: list[str], weights: list[np.ndarray] | None = None) -> keras.Model:
+    # Synchronized BatchNormalization: training computes the statistics of the whole batch.
+    @kmk.distributed(global_batch_size=GLOBAL, devices=devices, sync_batch_norm=True)
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential(
+            [
+                keras.Input((6, 6, 3)),
+                keras.layers.Rescaling(1 / 255),
+                keras.layers.Conv2D(4, 3, activation="relu"),
+                keras.layers.BatchNormalization(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(3, activation="softmax"),
+            ]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05),
+            loss="sparse_categorical_crossentropy",
+            metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2)],
+            weighted_metrics=["accuracy"],
+        )
+        return model
+
+    model = build()
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+@pytest.fixture(scope="module")
+def weights() -> list[np.ndarray]:
+    """Trained a little (so metrics are not trivial), then shared by every model here."""
+    model = _build(ONE)
+    x, y = _images(64, seed=1)
+    model.fit(x.astype("float32"), y, epochs=2, verbose=0)
+    return model.get_weights()
+
+
+def _evaluations(model: keras.Model, n: int) -> dict[str, list[float]]:
+    x, y = _images(n, seed=n)
+    w = np.linspace(0.5, 1.5, n).astype("float32")  # weighted metrics see real weights
+    plain = tf.data.Dataset.from_tensor_slices((x.astype("float32"), y)).batch(GLOBAL)
+    # uint8 stored, cast on each replica (the model itself rescales by 1/255)
+    kit = kmk.make_dataset(x, y, GLOBAL, shuffle=False, preprocess=kmk.rescale(1.0))
+    return {
+        "arrays": model.evaluate(x.astype("float32"), y, verbose=0),
+        "arrays, one batch": model.evaluate(x.astype("float32"), y, batch_size=64, verbose=0),
+        "arrays, weighted": model.evaluate(x.astype("float32"), y, sample_weight=w, verbose=0),
+        "tf.data": model.evaluate(plain, verbose=0),
+        "make_dataset": model.evaluate(kit, verbose=0),
+    }
+
+
+@pytest.mark.parametrize("n", [29, 61, 1, 3])
+def test_evaluate_on_two_replicas_equals_one_replica(weights, n):
+    one, two = _build(ONE, weights), _build(TWO, weights)
+    expected, got = _evaluations(one, n), _evaluations(two, n)
+    for case in expected:
+        close = np.allclose(got[case], expected[case], atol=TOLERANCE, rtol=0)
+        assert close, (case, got, expected)
+
+
+def test_validation_of_any_size_during_fit_equals_one_replica(weights):
+    """The crash of the issue: a kit dataset to train on (stored dtype on the replicas) and
+    29 validation samples, evaluated in one batch of 32 split 15/14 after the epoch."""
+    x, y = _images(64, seed=2)
+    xv, yv = _images(29, seed=3)
+    histories = []
+    for devices in (ONE, TWO):
+        model = _build(devices, weights)
+        train = kmk.make_dataset(x, y, GLOBAL, seed=0, preprocess=kmk.rescale(1.0))
+        history = model.fit(
+            train, epochs=2, validation_data=(xv.astype("float32"), yv), verbose=0
+        ).history
+        histories.append(history)
+    one, two = histories
+    assert set(two) == set(one) and "val_loss" in two
+    for key in one:
+        assert np.allclose(two[key], one[key], atol=1e-5, rtol=0), (key, one[key], two[key])
+
+
+@pytest.mark.parametrize("n", [1, 3, 29])
+def test_predict_returns_every_row_in_order_on_two_replicas(weights, n):
+    x, _ = _images(n, seed=10 + n)
+    one, two = _build(ONE, weights), _build(TWO, weights)
+    for data in (
+        x.astype("float32"),
+        tf.data.Dataset.from_tensor_slices(x.astype("float32")).batch(GLOBAL),
+        kmk.make_dataset(x.astype("float32"), batch_size=GLOBAL, shuffle=False),
+    ):
+        expected, got = one.predict(data, verbose=0), two.predict(data, verbose=0)
+        assert got.shape == (n, 3)
+        np.testing.assert_allclose(got, expected, atol=TOLERANCE, rtol=0)
+
+
+def test_training_on_a_last_batch_that_splits_unevenly_is_refused_before_any_step(weights):
+    model = _build(TWO, weights)
+    x, y = _images(17, seed=4)  # last batch of 1: one replica would get nothing
+    dataset = kmk.make_dataset(x.astype("float32"), y, GLOBAL, shuffle=False)
+    with pytest.raises(ValueError, match=r"last batch holds 1 samples.*2 replicas"):
+        model.fit(dataset, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    model.evaluate(dataset, verbose=0)  # evaluation takes it
+
+
+def test_make_dataset_num_replicas_is_deprecated():
+    x, y = _images(17, seed=5)
+    with pytest.warns(DeprecationWarning, match="num_replicas"):
+        kmk.make_dataset(x, y, GLOBAL, shuffle=False, num_replicas=2)
+
+
+def test_plain_keras_still_fails_on_an_uneven_first_batch(weights):
+    """The upstream bug (keras-team/keras#19246) the kit works around: when this test fails,
+    Keras builds without averaging the replicas' parts and the workaround can go."""
+    assert keras_uneven_first_batch.bug_in_source() is True
+    strategy = tf.distribute.MirroredStrategy(TWO)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+        model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    x = np.zeros((29, 4), "float32")
+    y = np.zeros(29, "int32")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="AddN"):
+        model.evaluate(x, y, batch_size=32, verbose=0)  # one batch, split 15/14
