@@ -33,10 +33,10 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
         SyncedCheckpoint,
         ThroughputMonitor,
     )
-    from keras_mirror_kit.callbacks.synced_checkpoint.preemption import Preempted
-    from keras_mirror_kit.callbacks.synced_checkpoint.restore import restore
-    from keras_mirror_kit.checkpoint_lock import CheckpointLockedError, StaleLockWarning
-    from keras_mirror_kit.checkpoint_store import (
+    from keras_mirror_kit.checkpoint.lock import CheckpointLockedError, StaleLockWarning
+    from keras_mirror_kit.checkpoint.preemption import Preempted
+    from keras_mirror_kit.checkpoint.restore import restore
+    from keras_mirror_kit.checkpoint.store import (
         CheckpointError,
         CheckpointWriteError,
         CorruptCheckpointWarning,
@@ -62,9 +62,9 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
 # Public name -> the module that defines it (a sub-package maps to itself). Keep in step
 # with the TYPE_CHECKING imports above and `__all__` (tests/test_packaging.py checks).
 _LAZY: dict[str, str] = {
-    "CheckpointError": "keras_mirror_kit.checkpoint_store",
-    "CheckpointWriteError": "keras_mirror_kit.checkpoint_store",
-    "CorruptCheckpointWarning": "keras_mirror_kit.checkpoint_store",
+    "CheckpointError": "keras_mirror_kit.checkpoint.store",
+    "CheckpointWriteError": "keras_mirror_kit.checkpoint.store",
+    "CorruptCheckpointWarning": "keras_mirror_kit.checkpoint.store",
     "DatasetCursor": "keras_mirror_kit.data.cursor",
     "Distribution": "keras_mirror_kit.distribution",
     "DistributedFactory": "keras_mirror_kit.distributed",
@@ -88,10 +88,10 @@ _LAZY: dict[str, str] = {
     "simulate_replicas": "keras_mirror_kit.devices",
     "synchronize_batch_norm": "keras_mirror_kit.batch_norm",
     "preprocess_placement": "keras_mirror_kit.data.preprocess",
-    "restore": "keras_mirror_kit.callbacks.synced_checkpoint.restore",
-    "CheckpointLockedError": "keras_mirror_kit.checkpoint_lock",
-    "StaleLockWarning": "keras_mirror_kit.checkpoint_lock",
-    "Preempted": "keras_mirror_kit.callbacks.synced_checkpoint.preemption",
+    "restore": "keras_mirror_kit.checkpoint.restore",
+    "CheckpointLockedError": "keras_mirror_kit.checkpoint.lock",
+    "StaleLockWarning": "keras_mirror_kit.checkpoint.lock",
+    "Preempted": "keras_mirror_kit.checkpoint.preemption",
     "PREEMPTED_EXIT_CODE": "keras_mirror_kit.multi_worker",
     "count_training_flops": "keras_mirror_kit.throughput.flops",
 }

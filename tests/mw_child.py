@@ -115,7 +115,7 @@ def main() -> int:
 
     import keras_mirror_kit as kmk
     from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
-    from keras_mirror_kit.callbacks.synced_checkpoint.preemption import Preempted
+    from keras_mirror_kit.checkpoint.preemption import Preempted
     from keras_mirror_kit.datasets import make_synthetic_cifar10
     from keras_mirror_kit.workarounds import keras_multi_worker_fit
 

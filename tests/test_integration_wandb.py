@@ -29,7 +29,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit.checkpoint_lock import LOCK_FILE
+from keras_mirror_kit.checkpoint.lock import LOCK_FILE
 from keras_mirror_kit.distribution import Distribution
 from tests.subproc import REPO, last_json, run_python
 

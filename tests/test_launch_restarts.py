@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from keras_mirror_kit.callbacks.synced_checkpoint.preemption import PREEMPTED_EXIT_CODE
+from keras_mirror_kit.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from keras_mirror_kit.multi_worker import launch
 from tests import preemption_runs as runs
 from tests.processes import assert_none_left

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import keras_mirror_kit as kmk
 from keras_mirror_kit.callbacks.synced_checkpoint import ReplicaDivergenceError, SyncedCheckpoint
-from keras_mirror_kit.checkpoint_store import CheckpointError, CorruptCheckpointWarning
+from keras_mirror_kit.checkpoint.store import CheckpointError, CorruptCheckpointWarning
 from tests.ckpt_helpers import CountBatches, StopAt, build, data, dataset, max_diff
 
 EPOCHS = 4  # 6 batches each, 24 optimizer steps
@@ -304,8 +304,11 @@ def test_unsynchronised_batch_norm_statistics_are_reported_not_raised(tmp_path, 
     [
         ({"save_freq": 0}, ValueError, "save_freq=0"),
         ({"save_freq": "batch"}, ValueError, "save_freq='batch'"),
-        ({"save_freq": 2.5}, ValueError, "save_freq=2.5"),
+        ({"save_freq": 2.5}, TypeError, "save_freq=2.5"),
         ({"keep": 0}, ValueError, "keep=0"),
+        ({"keep": True}, TypeError, "keep=True"),
+        ({"verify_atol": -1e-3}, ValueError, "verify_atol=-0.001"),
+        ({"verify_atol": "0"}, TypeError, "verify_atol='0'"),
         ({"dataset": [1, 2]}, ValueError, "dataset=list"),
     ],
 )
@@ -315,6 +318,8 @@ def test_bad_arguments(tmp_path, kwargs, exc, fragment):
     assert fragment in str(info.value)
     with pytest.raises(TypeError, match="directory=None"):
         SyncedCheckpoint(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="directory=''"):
+        SyncedCheckpoint("")
 
 
 def test_a_file_where_the_directory_should_be_fails_before_training(tmp_path):

@@ -31,7 +31,7 @@ except ImportError as err:  # pragma: no cover - exercised in a subprocess test
 
 from keras_mirror_kit._version import __version__
 from keras_mirror_kit.callbacks.keras_loop import find_callback_list, steps_done
-from keras_mirror_kit.checkpoint_lock import LOCK_FILE
+from keras_mirror_kit.checkpoint.lock import LOCK_FILE
 from keras_mirror_kit.distribution import Distribution
 from keras_mirror_kit.model_record import distribution_of, is_chief
 from keras_mirror_kit.validation import positive_int
