@@ -9,6 +9,8 @@ A model returned by a decorated factory, or compiled inside `with kmk.distribute
   kit's callbacks find its distribution;
 * given the distribution's knobs: float32 outputs under mixed precision, synchronized
   BatchNormalization, `steps_per_execution`, gradient accumulation;
+* given an optimizer that trains on N replicas as on one: gradient clipping of the
+  all-reduced gradient, a working `use_ema=True` overwrite;
 * given the checking `fit`, `evaluate` and `predict` of `keras_mirror_kit.fit_wrapper`, and
   the workarounds a model under a strategy needs (`keras_mirror_kit.workarounds`).
 """
@@ -30,7 +32,9 @@ from keras_mirror_kit.model_record import record_of, register_model
 from keras_mirror_kit.precision import keep_outputs_float32
 from keras_mirror_kit.schedules import check_accumulation
 from keras_mirror_kit.workarounds import (
+    keras_ema_overwrite,
     keras_grad_accumulation,
+    keras_gradient_clipping,
     keras_loss_scale,
     tf_data_iterator_stall,
 )
@@ -38,7 +42,6 @@ from keras_mirror_kit.workarounds import (
 __all__ = ["ModelOptions", "check_model", "is_prepared", "prepare_model"]
 
 logger = logging.getLogger("keras_mirror_kit")
-
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,13 @@ def _apply_gradient_accumulation(model: Any, steps: int, name: str) -> None:
     keras_grad_accumulation.apply(optimizer)  # runs under the strategy: see that module
 
 
+def _apply_optimizer_options(model: Any, dist: Distribution) -> None:
+    """Clipping and the EMA overwrite as on one device (after any accumulation is set)."""
+    optimizer = getattr(model, "optimizer", None)
+    keras_gradient_clipping.apply(optimizer, dist.num_replicas)  # clip the reduced gradient
+    keras_ema_overwrite.apply(optimizer)  # no merge call inside Keras' overwrite conditional
+
+
 def _compile_inside_scope(model: keras.Model, dist: Distribution, options: ModelOptions) -> None:
     """Makes a later `model.compile(...)` run inside the strategy's scope, then checks it."""
     original = model.compile
@@ -186,6 +196,7 @@ def _compile_inside_scope(model: keras.Model, dist: Distribution, options: Model
         check_model(model, dist, factory_name=name)
         _apply_steps_per_execution(model, options.steps_per_execution, name)
         _apply_gradient_accumulation(model, dist.gradient_accumulation_steps, name)
+        _apply_optimizer_options(model, dist)
 
     object.__setattr__(model, "compile", compile_in_scope)
 
@@ -235,7 +246,10 @@ def prepare_model(
             than `distributed()` asks for, or uses float16 loss
             scaling on several replicas with a Keras version whose `LossScaleOptimizer`
             the kit cannot make agree across replicas
-            (`keras_mirror_kit.workarounds.keras_loss_scale`).
+            (`keras_mirror_kit.workarounds.keras_loss_scale`), or gradient clipping on
+            several replicas or `use_ema=True` with `ema_overwrite_frequency` on a Keras
+            version whose bugs the kit does not correct
+            (`keras_mirror_kit.workarounds.keras_gradient_clipping`, `keras_ema_overwrite`).
 
     Example:
 
@@ -252,6 +266,7 @@ def prepare_model(
     if model.compiled:
         _apply_steps_per_execution(model, options.steps_per_execution, name)
         _apply_gradient_accumulation(model, dist.gradient_accumulation_steps, name)
+        _apply_optimizer_options(model, dist)
     elif not record.prepared:
         _compile_inside_scope(model, dist, options)
     keras_loss_scale.apply(model, dist.strategy)  # float16: every replica agrees on overflow
