@@ -9,6 +9,8 @@ A model returned by a decorated factory, or compiled inside `with kmk.distribute
   kit's callbacks find its distribution;
 * given the distribution's knobs: float32 outputs under mixed precision, synchronized
   BatchNormalization, `steps_per_execution`, gradient accumulation;
+* given an optimizer that trains on N replicas as on one: gradient clipping of the
+  all-reduced gradient, a working `use_ema=True` overwrite;
 * given the checking `fit`, `evaluate` and `predict` of `keras_mirror_kit.fit_wrapper`, and
   the workarounds a model under a strategy needs (`keras_mirror_kit.workarounds`).
 """
@@ -30,7 +32,9 @@ from keras_mirror_kit.model_record import record_of, register_model
 from keras_mirror_kit.precision import keep_outputs_float32
 from keras_mirror_kit.schedules import check_accumulation
 from keras_mirror_kit.workarounds import (
+    keras_ema_overwrite,
     keras_grad_accumulation,
+    keras_gradient_clipping,
     keras_jit_replicas,
     keras_loss_scale,
     keras_uneven_first_batch,
@@ -147,6 +151,13 @@ def _apply_gradient_accumulation(model: Any, steps: int, name: str) -> None:
     keras_grad_accumulation.apply(optimizer)  # runs under the strategy: see that module
 
 
+def _apply_optimizer_options(model: Any, dist: Distribution) -> None:
+    """Clipping and the EMA overwrite as on one device (after any accumulation is set)."""
+    optimizer = getattr(model, "optimizer", None)
+    keras_gradient_clipping.apply(optimizer, dist.num_replicas)  # clip the reduced gradient
+    keras_ema_overwrite.apply(optimizer)  # no merge call inside Keras' overwrite conditional
+
+
 def _compile_inside_scope(model: keras.Model, dist: Distribution, options: ModelOptions) -> None:
     """Makes a later `model.compile(...)` run inside the strategy's scope, then checks it."""
     original = model.compile
@@ -168,6 +179,7 @@ def _apply_compile_settings(
     """What a compiled model gets from `distributed()`, and what its compile may not ask."""
     _apply_steps_per_execution(model, options.steps_per_execution, name)
     _apply_gradient_accumulation(model, dist.gradient_accumulation_steps, name)
+    _apply_optimizer_options(model, dist)
     keras_jit_replicas.check(model, len(dist.devices), name)
     keras_jit_replicas.note_auto(model, has_gpus=any("GPU" in d.upper() for d in dist.devices))
 
@@ -189,10 +201,11 @@ def prepare_model(
 
     Raises `TypeError` for anything but a `keras.Model`, and `ValueError` for a model built
     outside the strategy's scope, compiled with another `steps_per_execution` or an optimizer
-    with another `gradient_accumulation_steps` than `distributed()` asks for, or using float16
-    loss scaling on several replicas where the kit cannot make the replicas agree
-    (`keras_mirror_kit.workarounds.keras_loss_scale`). Preparing twice re-checks and re-applies
-    the knobs but installs the wrappers once.
+    with another `gradient_accumulation_steps` than `distributed()` asks for, compiled with
+    `jit_compile=True` on several replicas, or using float16 loss scaling, gradient clipping on
+    several replicas, or `use_ema=True` with `ema_overwrite_frequency` on a Keras version whose
+    bug the kit does not correct (`keras_mirror_kit.workarounds`). Preparing twice re-checks
+    and re-applies the knobs but installs the wrappers once.
     """
     check_model(model, dist, factory_name=name, origin=origin)
     record = register_model(model, dist)
