@@ -87,13 +87,19 @@ def test_integer_save_freq_resumes_mid_epoch_without_training_a_batch_twice(opti
 
 
 def test_without_a_kit_dataset_mid_epoch_checkpoints_fall_back_to_the_epoch_boundary(
-    tmp_path,
+    tmp_path, caplog
 ):
-    """Documented behaviour: resume from the newest epoch-end checkpoint, no batch twice."""
+    """Documented behaviour: resume from the newest epoch-end checkpoint, no batch twice,
+    with a WARNING (default logging shows it) that says what to do for an exact resume."""
     reference = uninterrupted("sgd", tmp_path, use_dataset=False)
-    model, checkpoint, counter = crash_then_resume(
-        "sgd", tmp_path / "run", (2, 4), save_freq=4, use_dataset=False
-    )
+    with caplog.at_level(logging.INFO, logger="keras_mirror_kit"):
+        model, checkpoint, counter = crash_then_resume(
+            "sgd", tmp_path / "run", (2, 4), save_freq=4, use_dataset=False
+        )
+    said = [r for r in caplog.records if "written mid-epoch" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "SyncedCheckpoint was given no dataset=" in said[0].getMessage()
+    assert "dataset=train_ds" in said[0].getMessage()
     entries = json.loads((tmp_path / "run" / "manifest.json").read_text())["checkpoints"]
     assert any(not e["epoch_end"] for e in entries)  # a newer mid-epoch one exists
     assert checkpoint.last_restored.meta["epoch_end"] is True
@@ -274,10 +280,17 @@ def test_verify_replicas_names_a_diverged_variable(tmp_path):
 def test_non_finite_values_on_one_replica_are_named_as_such(tmp_path):
     model, ds = build("sgd"), dataset()
     bias = model.layers[0].bias
-    copies = model.distribute_strategy.experimental_local_results(bias.value)
-    copies[1].assign(np.full(copies[1].shape, np.nan, "float32"))  # replica 1 diverged
+
+    class DivergeReplica1(keras.callbacks.Callback):
+        """At the epoch's end, right before the save: no step spreads the NaN to replica 0."""
+
+        def on_epoch_end(self, epoch, logs=None):
+            copies = model.distribute_strategy.experimental_local_results(bias.value)
+            copies[1].assign(np.full(copies[1].shape, np.nan, "float32"))
+
+    checkpoint = SyncedCheckpoint(tmp_path, dataset=ds)
     with pytest.raises(ReplicaDivergenceError, match="NaN or Inf on some replicas") as info:
-        model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+        model.fit(ds, epochs=1, verbose=0, callbacks=[DivergeReplica1(), checkpoint])
     assert "bias (NaN or Inf on replica [1])" in str(info.value)
     assert "nan" not in str(info.value)  # not "max |diff| nan"
     assert not any(n.endswith(".npz") for n in os.listdir(tmp_path))

@@ -80,6 +80,7 @@ class MidEpochSkip:
     skip: int | None = None
     reason: str = ""
     data_changed: bool = False
+    fix: str = ""  # what makes the next run resume exactly
 
 
 def restore_latest(
@@ -163,10 +164,18 @@ def restore_latest(
                     "boundary, not mid-epoch",
                     found.reason,
                 )
-            else:
-                logger.info(
-                    "keras-mirror-kit: %s, so the resume starts at the newest epoch boundary",
+            else:  # exact resume impossible by construction: say what it costs, and the fix
+                logger.warning(
+                    "keras-mirror-kit: the checkpoint %s was written mid-epoch (epoch %d, "
+                    "batch %d), but %s, so the resume starts at the newest epoch boundary: "
+                    "epoch %d is trained again from its start, and a pipeline that reshuffles "
+                    "each epoch ends elsewhere than an uninterrupted run would. %s",
+                    newest.path,
+                    meta.epoch,
+                    meta.step,
                     found.reason,
+                    meta.epoch,
+                    found.fix,
                 )
             loaded = store.load_latest(require_epoch_end=True)
     if loaded is None:
@@ -330,13 +339,18 @@ def mid_epoch_skip(meta: CheckpointMeta, cursor: DatasetCursor | None, model: An
     """
     if cursor is None:
         return MidEpochSkip(
-            reason="the checkpoint was written mid-epoch and SyncedCheckpoint has no dataset="
+            reason="SyncedCheckpoint was given no dataset=",
+            fix="For an exact mid-epoch resume, build the training data with the kit "
+            "(kmk.make_dataset, kmk.image_dataset_from_directory, ...) and pass the same "
+            "object to fit() and to SyncedCheckpoint(directory, dataset=train_ds).",
         )
     per_execution = _steps_per_execution(model)
     if cursor.num_batches % per_execution:
         return MidEpochSkip(
             reason=f"{cursor.num_batches} batches per epoch is not a multiple of "
-            f"steps_per_execution={per_execution}"
+            f"steps_per_execution={per_execution}",
+            fix="Choose a batch size or steps_per_execution whose epoch is a whole number "
+            "of executions.",
         )
     saved, step, batch = meta.data, meta.step, _global_batch_size(model)
     samples = cursor.num_samples
