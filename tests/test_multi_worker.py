@@ -437,7 +437,7 @@ TASK_SCRIPT = textwrap.dedent(
     out = sys.argv[1]
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     with open(os.path.join(out, f"task-{task['index']}.json"), "w") as f:
-        json.dump({"index": task["index"], "argv": sys.argv[1:],
+        json.dump({"index": task["index"], "argv": sys.argv[1:], "executable": sys.executable,
                    "via": os.environ.get("KMK_TEST_PYTHON_VIA")}, f)
     print(f"task {task['index']} ran")
     """
