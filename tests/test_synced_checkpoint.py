@@ -494,3 +494,60 @@ def test_mid_epoch_resume_into_another_replica_count_skips_the_consumed_samples(
     assert counter.batches == 12 - 8  # only the 32 samples not yet trained in epoch 1
     assert len(before) == 64 and len(after) == 32
     assert sorted(before + after) == list(range(96))  # none twice, none skipped
+
+
+class _Payload:
+    """Unpickling it creates the file `path` (what a malicious pickle could do, harmlessly)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path):
+    """docs/security.md: checkpoints are read with NumPy's allow_pickle=False. A checkpoint
+    whose first variable is replaced by a pickled object array of the right shape, with a
+    manifest entry that matches it (someone who can write the directory), is refused at
+    resume; its payload, live under np.load(allow_pickle=True), never runs."""
+    import io
+    import zipfile
+
+    from keras_mirror_kit import checkpoint_store
+
+    directory, marker = tmp_path / "ckpt", tmp_path / "unpickled"
+    model, ds = build("sgd"), dataset()
+    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(directory, dataset=ds)])
+    manifest = json.loads((directory / "manifest.json").read_text())
+    good, evil = directory / manifest["latest"], directory / "ckpt-00000002.npz"
+    pickled = np.empty(model.weights[0].shape, dtype=object)
+    pickled[...] = _Payload(str(marker))
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(evil, "w") as dst:
+        for name in src.namelist():
+            data = src.read(name)
+            if name == "model/00000.npy":  # the first kernel, as a pickle
+                buffer = io.BytesIO()
+                np.lib.format.write_array(buffer, pickled, allow_pickle=True)
+                data = buffer.getvalue()
+            elif name == "__meta__.npy":
+                meta = json.loads(np.lib.format.read_array(src.open(name)).tobytes())
+                buffer = io.BytesIO()
+                blob = json.dumps({**meta, "file": evil.name}).encode()
+                np.lib.format.write_array(buffer, np.frombuffer(blob, np.uint8))
+                data = buffer.getvalue()
+            dst.writestr(name, data)
+    with zipfile.ZipFile(evil) as archive:
+        crc32 = checkpoint_store._members_checksum(archive)
+    entry = {**manifest["checkpoints"][-1], "file": evil.name, "crc32": crc32}
+    manifest["checkpoints"].append({**entry, "size": evil.stat().st_size})
+    manifest["latest"] = evil.name
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+    fresh, ds = build("sgd", seed=1), dataset()
+    with pytest.raises(ValueError, match="Object arrays cannot be loaded when allow_pickle=False"):
+        fresh.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(directory, dataset=ds)])
+    assert not marker.exists(), "the checkpoint's pickle was loaded"
+    with np.load(evil, allow_pickle=True) as unsafe:  # the payload is live: the test can fail
+        unsafe["model/00000"]  # noqa: B018
+    assert marker.exists()

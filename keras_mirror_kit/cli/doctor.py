@@ -1,12 +1,14 @@
 """`keras-mirror-kit doctor`: can this machine run the kit, and does it train right here?
 
 The checks, each `ok`, `warn`, `FAIL` or `skip`: Python, TensorFlow and Keras against the
-supported versions; the Keras backend; GPUs (names, memory), the CUDA/cuDNN build and GPUs
-TensorFlow cannot use; NCCL and the all-reduce `distributed()` would pick; the environment
-variables that change what the kit does; known-bad combinations; and a self-test of about
-20 s in a fresh process: one tiny model trained on 1 replica and on every replica (2
-simulated ones when there are fewer than 2 GPUs) must end with the same weights (within
-1e-6), and an all-reduce bandwidth figure. Exit status 1 when a check failed.
+supported versions; whether `launch` can isolate its workers in a network namespace of
+their own (a namespace made and dropped, no TensorFlow); the Keras backend; GPUs (names,
+memory), the CUDA/cuDNN build and GPUs TensorFlow cannot use; NCCL and the all-reduce
+`distributed()` would pick; the environment variables that change what the kit does;
+known-bad combinations; and a self-test of about 20 s in a fresh process: one tiny model
+trained on 1 replica and on every replica (2 simulated ones when there are fewer than 2
+GPUs) must end with the same weights (within 1e-6), and an all-reduce bandwidth figure.
+Exit status 1 when a check failed.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
 def diagnose(*, self_test: bool = True, timeout: float = 300.0) -> dict[str, Any]:
     """Checks this machine for keras-mirror-kit, as `keras-mirror-kit doctor` does; never raises.
 
-    Returns `{"ok", "checks": [{"name", "status", "detail"}], "environment", "info" (the
+    Returns `{"ok", "checks": [{"name", "status", "detail"}], "environment", "isolation"
+    ({"available", "kind", "detail"}: can `launch` isolate its workers here), "info" (the
     fields of `keras-mirror-kit info`, or None), "self_test" (figures, or None)}`; `ok` is
     False when a check has the status `"fail"`, which is how anything that goes wrong shows.
     `self_test` also trains a tiny model on 1 and on every replica in a fresh process and
@@ -94,6 +97,7 @@ def diagnose(*, self_test: bool = True, timeout: float = 300.0) -> dict[str, Any
         "ok" if _in_range(python, SUPPORTED_PYTHON) else "fail",
         f"{sys.version.split()[0]} (supported: {_range_text(SUPPORTED_PYTHON)})",
     )
+    report["isolation"] = _check_isolation(check)
     tf, keras = _import_frameworks(check)
     if tf is None or keras is None:
         report.update(checks=checks, ok=False)
@@ -146,6 +150,30 @@ def _environment() -> dict[str, str]:
     names = [n for n in ENV_VARS if n in os.environ]
     names += sorted(n for n in os.environ if n.startswith("NCCL_"))
     return {n: os.environ[n] for n in names}
+
+
+def _check_isolation(check: Any) -> dict[str, Any]:
+    """Whether `launch` can put its workers in a network namespace of their own, here."""
+    from keras_mirror_kit.multi_worker import SECURITY_DOCS_URL
+    from keras_mirror_kit.multi_worker.launch.isolation import probe
+
+    result = probe()  # a holder process makes and drops one namespace, as launch does
+    if result.available:
+        check(
+            "isolation",
+            "ok",
+            f"launch runs its workers in {result.detail}: their TensorFlow "
+            "servers are reachable from nowhere else",
+        )
+    else:
+        check(
+            "isolation",
+            "warn",
+            f"launch cannot isolate its workers here ({result.detail}): they run on this "
+            "host's network, where their TensorFlow servers listen on all interfaces, with "
+            f"a WARNING; see {SECURITY_DOCS_URL}",
+        )
+    return {"available": result.available, "kind": result.kind, "detail": result.detail}
 
 
 def _import_frameworks(check: Any) -> tuple[Any, Any]:
