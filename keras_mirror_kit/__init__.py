@@ -27,6 +27,7 @@ from keras_mirror_kit._version import __version__
 
 if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
     from keras_mirror_kit import datasets, models
+    from keras_mirror_kit.backends import simulate_replicas
     from keras_mirror_kit.batch_norm import synchronize_batch_norm
     from keras_mirror_kit.callbacks import (
         ReplicaDivergenceError,
@@ -45,7 +46,7 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
     from keras_mirror_kit.data.info import cursor_of
     from keras_mirror_kit.data.pipeline import make_dataset
     from keras_mirror_kit.data.preprocess import preprocess_placement, rescale
-    from keras_mirror_kit.devices import nccl_available, simulate_replicas
+    from keras_mirror_kit.devices import nccl_available
     from keras_mirror_kit.distributed import DistributedFactory, distributed
     from keras_mirror_kit.distribution import Distribution, current
     from keras_mirror_kit.model_record import distribution_of
@@ -85,7 +86,7 @@ _LAZY: dict[str, str] = {
     "per_replica_batch_size": "keras_mirror_kit.scaling",
     "rescale": "keras_mirror_kit.data.preprocess",
     "scale_learning_rate": "keras_mirror_kit.scaling",
-    "simulate_replicas": "keras_mirror_kit.devices",
+    "simulate_replicas": "keras_mirror_kit.backends",
     "synchronize_batch_norm": "keras_mirror_kit.batch_norm",
     "preprocess_placement": "keras_mirror_kit.data.preprocess",
     "restore": "keras_mirror_kit.checkpoint.restore",

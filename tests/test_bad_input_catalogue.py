@@ -570,10 +570,10 @@ CASES = [
         "steps=3 is not a multiple",
     ),
     ChildCase(
-        "Keras on another backend than TensorFlow",
+        "Keras on a backend without a data-parallel API",
         "import keras_mirror_kit as kmk\nkmk.distributed(per_replica_batch_size=8)",
         RuntimeError,
-        "Keras runs on the 'numpy' backend",
+        "no data-parallel API for the 'numpy' backend",
         env={"KERAS_BACKEND": "numpy"},
     ),
     Case(
