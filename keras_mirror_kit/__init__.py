@@ -51,6 +51,8 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
     from keras_mirror_kit.distribution import Distribution, current
     from keras_mirror_kit.model_record import distribution_of
     from keras_mirror_kit.multi_worker import PREEMPTED_EXIT_CODE
+    from keras_mirror_kit.replica_check.record import ReplicaCheck
+    from keras_mirror_kit.replica_check.runner import check_replicas
     from keras_mirror_kit.scaling import (
         global_batch_size,
         per_replica_batch_size,
@@ -95,6 +97,8 @@ _LAZY: dict[str, str] = {
     "Preempted": "keras_mirror_kit.checkpoint.preemption",
     "PREEMPTED_EXIT_CODE": "keras_mirror_kit.multi_worker",
     "count_training_flops": "keras_mirror_kit.throughput.flops",
+    "ReplicaCheck": "keras_mirror_kit.replica_check.record",
+    "check_replicas": "keras_mirror_kit.replica_check.runner",
 }
 
 __all__ = [
@@ -107,12 +111,14 @@ __all__ = [
     "Distribution",
     "PREEMPTED_EXIT_CODE",
     "Preempted",
+    "ReplicaCheck",
     "ReplicaDivergenceError",
     "StaleLockWarning",
     "SyncedCheckpoint",
     "ThroughputMeter",
     "ThroughputMonitor",
     "WarmupSchedule",
+    "check_replicas",
     "count_training_flops",
     "current",
     "cursor_of",

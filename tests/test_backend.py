@@ -1,4 +1,4 @@
-"""A Keras backend without a data-parallel API: a clear error at distributed(), in a fresh process."""
+"""A Keras backend without a data-parallel API: a clear error at distributed(), in a child."""
 
 from __future__ import annotations
 

@@ -9,6 +9,11 @@ known-bad combinations; and a self-test of about 20 s in a fresh process: one ti
 trained on 1 replica and on every replica (2 simulated ones when there are fewer than 2
 GPUs) must end with the same weights (within 1e-6), and an all-reduce bandwidth figure.
 Exit status 1 when a check failed.
+
+`doctor --model module:factory --data module:function` checks the user's own model
+instead (`kmk.check_replicas`): a few steps on 1 replica and on N from the same weights,
+the largest difference per variable and the known causes found; exit status 0 within the
+tolerance, 1 above it (or when a run fails), 2 for a usage error.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ def register(sub: Any) -> None:
     doctor = sub.add_parser(
         "doctor",
         help="check this machine for the kit (versions, backend, GPUs, NCCL, environment) "
-        "and run a short self-test; exit status 1 when a check fails",
+        "and run a short self-test, or with --model and --data your own model on 1 and N "
+        "replicas; exit status 1 when a check fails",
     )
     doctor.add_argument("--json", action="store_true", help="print JSON instead of a table")
     doctor.add_argument(
@@ -58,20 +64,113 @@ def register(sub: Any) -> None:
     doctor.add_argument(
         "--timeout",
         type=float,
-        default=300.0,
-        help="seconds the self-test may take before it counts as failed (default: 300)",
+        default=None,
+        help="seconds the self-test (default: 300) or the --model check (default: 600) may "
+        "take before it counts as failed",
     )
+    model = doctor.add_argument_group(
+        "your own model",
+        "--model and --data check your model instead of the machine: trained a few steps "
+        "on 1 replica and on N from the same weights, the largest difference per variable "
+        "and the known causes found; exit status 0 within --tolerance, 1 above it, 2 for a "
+        "usage error",
+    )
+    model.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="a function returning a compiled keras.Model, or a @kmk.distributed factory, "
+        "importable from the current directory (e.g. train:build_model)",
+    )
+    model.add_argument(
+        "--data",
+        metavar="MODULE:FUNCTION",
+        help="what fit gets: a function returning (x, y) arrays, a tf.data.Dataset of "
+        "batches or a PyDataset (or the data itself, by name)",
+    )
+    model.add_argument(
+        "--replicas",
+        type=int,
+        metavar="N",
+        help="replicas compared with one (default: the GPUs when there are 2 or more, else "
+        "2, simulated)",
+    )
+    model.add_argument(
+        "--steps", type=int, metavar="K", help="optimizer updates in each run (default: 3)"
+    )
+    model.add_argument(
+        "--tolerance",
+        type=float,
+        metavar="T",
+        help="largest absolute difference counted as equal (default: 1e-05; about 1e-2 "
+        "for float16 or bfloat16)",
+    )
+    model.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="B",
+        help="global batch of both runs (default: the factory's, else the data's first "
+        "batch, else 32)",
+    )
+
+
+_MODEL_OPTIONS = ("replicas", "steps", "tolerance", "batch_size")
+
+
+def _usage_error(message: str) -> int:
+    sys.stderr.write(f"keras-mirror-kit doctor: error: {message}\n")
+    return 2
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs `keras-mirror-kit doctor`."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
-    report = diagnose(self_test=not args.no_self_test, timeout=args.timeout)
+    if args.model is not None or args.data is not None:
+        return _check_model(args)
+    given = [f"--{n.replace('_', '-')}" for n in _MODEL_OPTIONS if getattr(args, n) is not None]
+    if given:
+        return _usage_error(
+            f"{', '.join(given)}: option(s) of the --model check; give --model and --data too"
+        )
+    timeout = 300.0 if args.timeout is None else args.timeout
+    report = diagnose(self_test=not args.no_self_test, timeout=timeout)
     if args.json:
         sys.stdout.write(json.dumps(report, indent=2, default=str) + "\n")
     else:
         print_report(report)
     return 0 if report["ok"] else 1
+
+
+def _check_model(args: argparse.Namespace) -> int:
+    """`doctor --model ... --data ...`: the replica check of the user's model."""
+    if args.model is None or args.data is None:
+        return _usage_error("--model and --data go together: give both")
+    if args.no_self_test:
+        return _usage_error("--no-self-test is for the machine checks, not --model")
+    from keras_mirror_kit.replica_check import DEFAULT_TOLERANCE, check_replicas
+    from keras_mirror_kit.replica_check.specs import resolve_spec
+
+    try:
+        resolve_spec(args.model, "--model")  # errors that name the options
+        resolve_spec(args.data, "--data")
+        result = check_replicas(
+            args.model,
+            args.data,
+            3 if args.steps is None else args.steps,
+            replicas=args.replicas,
+            tolerance=DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance,
+            batch_size=args.batch_size,
+            timeout=600.0 if args.timeout is None else args.timeout,
+        )
+    except (TypeError, ValueError) as err:
+        return _usage_error(str(err))
+    except RuntimeError as err:
+        sys.stderr.write(f"keras-mirror-kit doctor: {err}\n")
+        return 1
+    if args.json:
+        sys.stdout.write(json.dumps(result.as_dict(), indent=2, allow_nan=False) + "\n")
+    else:
+        sys.stdout.write(result.describe() + "\n")
+    return 0 if result.passed else 1
 
 
 def diagnose(*, self_test: bool = True, timeout: float = 300.0) -> dict[str, Any]:
