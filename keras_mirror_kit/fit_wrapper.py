@@ -39,6 +39,7 @@ from keras_mirror_kit.data.cursor import DatasetCursor
 from keras_mirror_kit.distribution import Distribution
 from keras_mirror_kit.fit_inputs import (
     BatchPlan,
+    check_even_batches,
     check_input,
     dataset_cursor,
     is_array_data,
@@ -194,6 +195,8 @@ def install(model: Any, dist: Distribution) -> None:
                 given["batch_size"] = dist.global_batch_size  # not Keras' default of 32
             if "callbacks" in given:
                 given["callbacks"] = order_callbacks(given["callbacks"])
+            if backend.SHARDS_EACH_BATCH:
+                check_even_batches(given, dist, _method)
             if _method != "fit":
                 with backend.call(model, dist.engine, _method, given):  # after the checks
                     return _original(*bound.args, **bound.kwargs)

@@ -32,8 +32,10 @@ __all__ = ["NAME", "Engine", "create_engine"]
 
 logger = logging.getLogger("keras_mirror_kit")
 
+#: Whether every batch must split evenly over the devices.
+SHARDS_EACH_BATCH = True  # XLA shards a batch only in equal parts
 NAME = "jax"
-STRATEGIES = ("auto", "data_parallel")
+STRATEGIES = ("auto", "data_parallel", "mirrored", "multi_worker")  # the last: refused
 XLA_FLAGS_ENV = "XLA_FLAGS"
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _simulated: dict[str, int] = {}  # {"cpu": n} once simulate_replicas(n) ran
@@ -80,11 +82,41 @@ class Engine:
         return active if active is not None and active is not self.strategy else None
 
 
-def is_own_object(strategy: Any) -> bool:
-    """Whether `strategy` is a data-parallel object of this backend (a Keras Distribution)."""
+def _distribution_class() -> type:
+    from keras.src.distribution.distribution_lib import Distribution
+
+    return Distribution
+
+
+class _OneDevice:
+    """No distribution: what a model outside any runs on (JAX's default device)."""
+
+    @property
+    def device_mesh(self) -> Any:
+        import jax
+        import numpy as np
+
+        class _Mesh:
+            devices = np.array([_device_name(jax.devices()[0])])
+
+        return _Mesh()
+
+    def scope(self) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+
+def engine_of_model(model: Any) -> Engine:
+    """The distribution a model the kit did not build runs under (the active one, or none)."""
+    del model
     import keras
 
-    return isinstance(strategy, keras.distribution.Distribution)
+    active = keras.distribution.distribution()
+    return Engine(active if active is not None else _OneDevice())
+
+
+def is_own_object(strategy: Any) -> bool:
+    """Whether `strategy` is a data-parallel object of this backend (a Keras Distribution)."""
+    return isinstance(strategy, _distribution_class())
 
 
 def _backends_initialized() -> bool:
@@ -213,14 +245,14 @@ def create_engine(
             f"strategy={strategy!r}, cluster_resolver={cluster_resolver!r}, "
             f"TF_CONFIG={'set' if os.environ.get('TF_CONFIG') else 'unset'}",
         )
-    if isinstance(strategy, keras.distribution.Distribution):
+    if is_own_object(strategy):
         if devices is not None:
             raise ValueError(
                 "`devices` cannot be combined with a ready-made `strategy` (its devices are "
                 f"fixed). Received: devices={devices!r}"
             )
         return Engine(strategy)
-    if not isinstance(strategy, str) or strategy not in (*STRATEGIES, "mirrored"):
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise _refuse(f"strategy={strategy!r}", f"strategy={strategy!r}")
     chosen = replica_devices(devices)
     names = [_device_name(d) for d in chosen]

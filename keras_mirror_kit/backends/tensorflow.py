@@ -37,6 +37,8 @@ from keras_mirror_kit.workarounds import (
 
 __all__ = ["NAME", "Engine", "create_engine"]
 
+#: Whether every batch must split evenly over the devices.
+SHARDS_EACH_BATCH = False  # tf.distribute splits a partial batch
 NAME = "tensorflow"
 #: `distributed(strategy=)` values this backend takes besides a `tf.distribute.Strategy`.
 STRATEGIES = ("auto", "mirrored", "multi_worker")
@@ -57,7 +59,11 @@ class Engine:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        return tuple(self.strategy.extended.worker_devices)
+        try:
+            return tuple(self.strategy.extended.worker_devices)
+        except (AttributeError, RuntimeError):  # the default strategy has no device list
+            gpus = tf.config.list_logical_devices("GPU")
+            return ("/device:GPU:0",) if gpus else ("/device:CPU:0",)
 
     @property
     def num_replicas(self) -> int:
@@ -75,6 +81,11 @@ class Engine:
         if tf.distribute.has_strategy() and tf.distribute.get_strategy() is not self.strategy:
             return tf.distribute.get_strategy()
         return None
+
+
+def engine_of_model(model: Any) -> Engine:
+    """The strategy a model the kit did not build runs under (the default one, outside)."""
+    return Engine(getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy(), "")
 
 
 def is_own_object(strategy: Any) -> bool:

@@ -51,7 +51,7 @@ from keras_mirror_kit.checkpoint.state import build_optimizer, state_variables
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.data import DatasetCursor, cursor_of
 from keras_mirror_kit.fit_inputs import dataset_cursor
-from keras_mirror_kit.model_record import is_chief
+from keras_mirror_kit.model_record import engine_of, is_chief
 from keras_mirror_kit.validation import (
     check_bool,
     check_path,
@@ -558,7 +558,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             script_fit_epochs=(*self._fit_history, self._epochs()),
             stopped=bool(stopped),
             finite=not snapshot.non_finite,
-            num_replicas=int(self.model.distribute_strategy.num_replicas_in_sync),
+            num_replicas=engine_of(self.model).num_replicas,
             data=data_description(self.model, self._cursor, self._epoch_length()),
             variables=tuple(snapshot.paths),
             callbacks=callback_states(self._tracked, snapshot.extra),

@@ -389,7 +389,8 @@ def _num_workers(model: Any) -> int:
     dist = distribution_of(model)
     if dist is not None:
         return int(dist.num_workers)
-    return int(getattr(model.distribute_strategy.extended, "_num_workers", 1) or 1)
+    extended = getattr(getattr(model, "distribute_strategy", None), "extended", None)
+    return int(getattr(extended, "_num_workers", 1) or 1)
 
 
 def _find_fit_frame(model: Any) -> tuple[int, Any] | None:

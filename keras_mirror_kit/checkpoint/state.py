@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from keras_mirror_kit.checkpoint.store import CheckpointError, LoadedCheckpoint
+from keras_mirror_kit.model_record import engine_of
 
 __all__ = [
     "Pairing",
@@ -72,7 +73,7 @@ def build_optimizer(model: Any) -> None:
     """Builds the optimizer of `model` if needed, so that its variables can be restored."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not optimizer.built:
-        with model.distribute_strategy.scope():
+        with engine_of(model).scope():
             optimizer.build(model.trainable_variables)
 
 
