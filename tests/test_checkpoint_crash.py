@@ -27,13 +27,22 @@ from tests.subproc import REPO, last_json
 EPOCHS = 3  # 6 batches each, 18 optimizer steps; save every 4 batches
 
 
-def child(directory, out, *extra, wait=True, async_save=False):
+def child_env(backend=None):
+    """The children's environment; `backend`: their KERAS_BACKEND (default: this process's)."""
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
         "TF_CPP_MIN_LOG_LEVEL": "2",
         "KMK_SIMULATE_REPLICAS": "2",
     }
+    if backend is not None:
+        env["KERAS_BACKEND"] = backend
+        env.pop("XLA_FLAGS", None)
+    return env
+
+
+def child(directory, out, *extra, wait=True, async_save=False, backend=None):
+    env = child_env(backend)
     command = [
         sys.executable,
         "-m",
@@ -286,12 +295,14 @@ def _global_step(restored):
     return None if restored is None else restored[0] * 6 + restored[1]
 
 
-def _plan(rng, reference_run, trials=TRIALS, async_save=False):
+def _plan(rng, reference_run, trials=TRIALS, async_save=False, kinds=None):
     """Seeded kill points, in training progress (never in seconds): which file write and
     at what stage; which step, killed right there; which step, then a seeded moment while
-    training runs on. Returns (how, child args, lowest and highest good resume step)."""
+    training runs on (`kinds`: each trial's, default in turn). Returns (how, child args,
+    lowest and highest good resume step)."""
     writes, saves = reference_run["writes"], reference_run["saves"]
-    kinds = [("write", "step", "run-on")[trial % 3] for trial in range(trials)]
+    if kinds is None:
+        kinds = [("write", "step", "run-on")[trial % 3] for trial in range(trials)]
     # Distinct points: which writes, which steps (each drawn without replacement).
     write_ks = iter(rng.sample(range(1, len(writes) + 1), kinds.count("write")))
     step_ks = iter(rng.sample(range(1, STEPS), trials - kinds.count("write")))
@@ -357,10 +368,15 @@ def test_seeded_random_sigkills_during_background_saves_resume_to_the_same_weigh
     _kill_and_resume_all(tmp_path, reference_run, plan, async_save=True)
 
 
-def _kill_and_resume_all(tmp_path, reference_run, plan, async_save=False):
-    """Runs each planned kill, then resumes every directory in one process and checks."""
+def _kill_and_resume_all(tmp_path, reference_run, plan, async_save=False, backend=None):
+    """Runs each planned kill, then resumes every directory in one process and checks.
+
+    `async_save`: for every trial, or a list with each trial's; `backend`: the children's
+    KERAS_BACKEND (default: this process's).
+    """
+    modes = async_save if isinstance(async_save, list) else [async_save] * len(plan)
     directories = []
-    for trial, (how, args, _, _) in enumerate(plan):
+    for trial, ((how, args, _, _), async_mode) in enumerate(zip(plan, modes)):
         directory, marker = tmp_path / f"t{trial}" / "ckpt", tmp_path / f"t{trial}" / "m"
         directory.parent.mkdir()
         proc = child(
@@ -370,7 +386,8 @@ def _kill_and_resume_all(tmp_path, reference_run, plan, async_save=False):
             "--marker",
             marker,
             wait=False,
-            async_save=async_save,
+            async_save=async_mode,
+            backend=backend,
         )
         try:
             deadline = time.monotonic() + 240  # a bound for a stuck child, not a kill time
@@ -386,16 +403,10 @@ def _kill_and_resume_all(tmp_path, reference_run, plan, async_save=False):
         assert proc.returncode == -signal.SIGKILL, (how, proc.returncode)
         directories.append(str(directory))
     out = tmp_path / "results.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "TF_CPP_MIN_LOG_LEVEL": "2",
-        "KMK_SIMULATE_REPLICAS": "2",
-    }
     done = subprocess.run(
         [sys.executable, "-m", "tests.resume_many", str(out), *directories],
         cwd=REPO,
-        env=env,
+        env=child_env(backend),
         capture_output=True,
         text=True,
         timeout=600,

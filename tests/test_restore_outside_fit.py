@@ -281,3 +281,25 @@ def test_user_chosen_names_that_end_like_auto_numbers_must_be_equal():
             ("optimizer", "adam_2/sequential_4_dense_3_kernel", shape)]  # fmt: skip
     auto = pair_by_path(saved, here, {"dense", "sequential", "adam"})
     assert auto.pairs == [(0, 0), (1, 1)] and auto.differences == []
+
+
+def test_bfloat16_variables_restore_bit_for_bit(tmp_path):
+    """NumPy has no bfloat16: its arrays are stored as their 2-byte patterns ('|V2'), and a
+    restore reinterprets them as the variable's dtype (before: `ValueError: No cast function
+    available`, or a value of another kind)."""
+
+    def half_model():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, dtype="bfloat16")])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    model = half_model()
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 2), "float32")
+    model.fit(x, y, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path / "ckpt")])
+    fresh = half_model()
+    restore(fresh, tmp_path / "ckpt")
+    for saved, restored in zip(model.layers[0].weights, fresh.layers[0].weights):
+        assert restored.dtype == "bfloat16"
+        assert np.array_equal(
+            np.asarray(saved).view(np.uint16), np.asarray(restored).view(np.uint16)
+        )

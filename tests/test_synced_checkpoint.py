@@ -514,7 +514,7 @@ def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path):
     import io
     import zipfile
 
-    from keras_mirror_kit import checkpoint_store
+    from keras_mirror_kit.checkpoint import store as checkpoint_store
 
     directory, marker = tmp_path / "ckpt", tmp_path / "unpickled"
     model, ds = build("sgd"), dataset()

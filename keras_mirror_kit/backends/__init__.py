@@ -11,7 +11,9 @@ The kit runs data-parallel on two of Keras 3's backends:
 
 Everything else in the kit asks `current()` for the backend's module and talks to an
 `Engine` (the backend's data-parallel object behind one small interface); no other module
-calls `keras.backend.backend()`. Torch and NumPy are refused (Keras 3.15 has no
+calls `keras.backend.backend()`. What the checkpoints ask of a backend (a variable's value
+and its host copy, the finite check on the devices, the replicas' copies and their
+comparison) lives in `tensorflow_state` and `jax_state`, exported by the backend's module. Torch and NumPy are refused (Keras 3.15 has no
 distribution API for them).
 """
 

@@ -26,9 +26,34 @@ from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
+from keras_mirror_kit.backends.jax_state import (  # the checkpoints' reads and checks
+    differing_copies,
+    finite_check,
+    finite_flags,
+    gather_rows,
+    host_layout,
+    host_value,
+    read_value,
+    reads_collectively,
+    replica_copies,
+)
 from keras_mirror_kit.validation import positive_int
 
-__all__ = ["NAME", "Engine", "create_engine"]
+__all__ = [
+    "NAME",
+    "Engine",
+    "create_engine",
+    # the checkpoints' reads and checks (`jax_state`)
+    "differing_copies",
+    "finite_check",
+    "finite_flags",
+    "gather_rows",
+    "host_layout",
+    "host_value",
+    "read_value",
+    "reads_collectively",
+    "replica_copies",
+]
 
 logger = logging.getLogger("keras_mirror_kit")
 
@@ -117,6 +142,13 @@ def engine_of_model(model: Any) -> Engine:
 def is_own_object(strategy: Any) -> bool:
     """Whether `strategy` is a data-parallel object of this backend (a Keras Distribution)."""
     return isinstance(strategy, _distribution_class())
+
+
+def version() -> str:
+    """JAX's version."""
+    import jax
+
+    return str(jax.__version__)
 
 
 def _backends_initialized() -> bool:

@@ -18,6 +18,17 @@ from typing import Any
 import tensorflow as tf
 
 from keras_mirror_kit import replica_preprocess
+from keras_mirror_kit.backends.tensorflow_state import (  # the checkpoints' reads and checks
+    differing_copies,
+    finite_check,
+    finite_flags,
+    gather_rows,
+    host_layout,
+    host_value,
+    read_value,
+    reads_collectively,
+    replica_copies,
+)
 from keras_mirror_kit.batch_norm import synchronize_batch_norm
 from keras_mirror_kit.devices import (
     mirrored_strategy,
@@ -35,7 +46,21 @@ from keras_mirror_kit.workarounds import (
     tf_data_iterator_stall,
 )
 
-__all__ = ["NAME", "Engine", "create_engine"]
+__all__ = [
+    "NAME",
+    "Engine",
+    "create_engine",
+    # the checkpoints' reads and checks (`tensorflow_state`)
+    "differing_copies",
+    "finite_check",
+    "finite_flags",
+    "gather_rows",
+    "host_layout",
+    "host_value",
+    "read_value",
+    "reads_collectively",
+    "replica_copies",
+]
 
 #: Whether every batch must split evenly over the devices.
 SHARDS_EACH_BATCH = False  # tf.distribute splits a partial batch
@@ -91,6 +116,11 @@ def engine_of_model(model: Any) -> Engine:
 def is_own_object(strategy: Any) -> bool:
     """Whether `strategy` is a data-parallel object of this backend (a tf.distribute one)."""
     return isinstance(strategy, tf.distribute.Strategy)
+
+
+def version() -> str:
+    """TensorFlow's version."""
+    return str(tf.__version__)
 
 
 def create_engine(

@@ -17,6 +17,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_mirror_kit import backends
 from keras_mirror_kit.callbacks.keras_loop import find_callback_list, steps_done
 from keras_mirror_kit.checkpoint.best import BestKeeper
 from keras_mirror_kit.checkpoint.callback_state import (
@@ -455,7 +456,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
 
     def _global_step(self) -> int | None:
         optimizer = getattr(self.model, "optimizer", None)
-        return int(optimizer.iterations.numpy()) if optimizer is not None else None
+        return int(np.asarray(optimizer.iterations)) if optimizer is not None else None
 
     # -- the callbacks list ------------------------------------------------------------------
 
@@ -559,6 +560,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             stopped=bool(stopped),
             finite=not snapshot.non_finite,
             num_replicas=engine_of(self.model).num_replicas,
+            backend=backends.name(),
             data=data_description(self.model, self._cursor, self._epoch_length()),
             variables=tuple(snapshot.paths),
             callbacks=callback_states(self._tracked, snapshot.extra),

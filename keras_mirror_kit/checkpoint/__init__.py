@@ -20,6 +20,10 @@ The modules, from the bottom up (each imports only those below it):
 * `resume` (which checkpoint a `fit()` goes on from, and where) and `restore`
   (`kmk.restore` and export, outside `fit`).
 
+What differs between Keras backends (reading a variable, the finite check, the replicas'
+copies) is asked of `keras_mirror_kit.backends.current()`; the files are the same on every
+backend, and a checkpoint restores on the other one where the variables match.
+
 `keras_mirror_kit.callbacks.SyncedCheckpoint` drives them through a `fit()`; nothing here
 imports the callbacks. This package imports none of its modules itself (importing it
 costs nothing).

@@ -160,6 +160,8 @@ class CheckpointMeta(Mapping[str, Any]):
         stopped: Whether that `fit()` had been asked to stop (by a callback).
         finite: Whether every value saved is finite.
         num_replicas: The replica count of the run that wrote it.
+        backend: The Keras backend that wrote it (`"tensorflow"`, `"jax"`); None in older
+            files.
         data: The data it was written with.
         variables: `"group:path"` of each saved variable, by array number.
         callbacks: The other callbacks' states (arrays replaced by markers).
@@ -180,6 +182,7 @@ class CheckpointMeta(Mapping[str, Any]):
     stopped: bool = False
     finite: bool = True
     num_replicas: int | None = None
+    backend: str | None = None
     data: DataDescription = field(default_factory=DataDescription)
     variables: tuple[str, ...] = ()
     callbacks: Mapping[str, Any] = field(default_factory=dict)
@@ -209,6 +212,7 @@ class CheckpointMeta(Mapping[str, Any]):
             "stopped": self.stopped,
             "finite": self.finite,
             "num_replicas": self.num_replicas,
+            **({"backend": self.backend} if self.backend else {}),
             **self.data.to_json(),
             "variables": list(self.variables),
             "callbacks": dict(self.callbacks),
@@ -252,6 +256,7 @@ class CheckpointMeta(Mapping[str, Any]):
             stopped=bool(data.get("stopped")),
             finite=data.get("finite") is not False,
             num_replicas=_int(data, "num_replicas"),
+            backend=str(data["backend"]) if data.get("backend") else None,
             data=DataDescription.from_json(data),
             variables=tuple(str(v) for v in data.get("variables") or ()),
             callbacks=dict(callbacks) if isinstance(callbacks, Mapping) else {},

@@ -26,6 +26,7 @@ from keras_mirror_kit.atomic_files import atomic_path
 from keras_mirror_kit.checkpoint.best import best_entries
 from keras_mirror_kit.checkpoint.meta import ManifestEntry
 from keras_mirror_kit.checkpoint.state import (
+    assign_state,
     auto_name_prefixes,
     build_optimizer,
     match_state,
@@ -186,8 +187,7 @@ def restore(
     matched = match_state(named, loaded, directory, auto_name_prefixes(model), groups, roots)
     opened = loaded.arrays if hasattr(loaded.arrays, "__enter__") else contextlib.nullcontext()
     with opened:  # type: ignore[attr-defined]
-        for key, (_, variable) in matched:
-            variable.assign(loaded.arrays[key])
+        assign_state(matched, loaded, directory)  # converted exactly where dtypes differ
     logger.info(
         "keras-mirror-kit: restored %s (epoch %s, step %s%s) into %s",
         loaded.path.name,

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import tensorflow as tf
 
+from keras_mirror_kit import backends
 from keras_mirror_kit.checkpoint.meta import CheckpointMeta, DataDescription
 from keras_mirror_kit.checkpoint.state import apply_state
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
@@ -442,9 +442,7 @@ def check_workers_agree(
         skip,
         (meta.global_step if meta is not None else None) or -1,
     ]
-    strategy = model.distribute_strategy
-    per_replica = strategy.run(lambda: tf.constant([mine], tf.int64))
-    rows = np.asarray(strategy.gather(per_replica, axis=0))
+    rows = backends.current().gather_rows(model, mine)
     if not (rows == rows[0]).all():
         raise CheckpointError(
             "The workers would resume from different checkpoints (epoch, batch, step "

@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-import tensorflow as tf
 
+from keras_mirror_kit import backends
 from keras_mirror_kit.checkpoint.state import global_random_state
 from keras_mirror_kit.checkpoint.store import CheckpointError
 
@@ -44,23 +44,6 @@ __all__ = ["WRITER_NICE", "BackgroundWriter", "HostStaging", "StateSnapshot", "t
 
 #: The `nice` value of the writer thread on Linux (the lowest scheduling priority).
 WRITER_NICE = 19
-
-
-def _tf_value(variable: Any) -> Any:
-    """The TensorFlow variable behind a Keras variable (a tensor or TF variable as it is)."""
-    if isinstance(variable, (tf.Tensor, tf.Variable)):
-        return variable
-    return getattr(variable, "value", variable)
-
-
-def _all_finite(tensor: tf.Tensor) -> tf.Tensor | None:
-    """A scalar bool tensor, on the tensor's device: all values finite (None: not floating)."""
-    if tensor.dtype.is_complex:
-        parts = (tf.math.real(tensor), tf.math.imag(tensor))
-        return tf.reduce_all([tf.reduce_all(tf.math.is_finite(p)) for p in parts])
-    if tensor.dtype.is_floating:
-        return tf.reduce_all(tf.math.is_finite(tensor))
-    return None
 
 
 class HostStaging:
@@ -82,13 +65,13 @@ class HostStaging:
 
     def prepare(self, named: list[tuple[str, Any]]) -> None:
         """Allocates and touches an array for each variable (none is read: no collective)."""
+        backend = backends.current()
         for i, (_, variable) in enumerate(named):
-            value = _tf_value(variable)
-            self._array(i, tuple(value.shape), tf.as_dtype(value.dtype).as_numpy_dtype)
+            self._array(i, *backend.host_layout(variable))
         del self._arrays[len(named) :]
 
-    def copy(self, index: int, tensor: tf.Tensor) -> np.ndarray:
-        """Copies `tensor` into the array of variable `index` and returns that array.
+    def copy(self, index: int, tensor: Any) -> np.ndarray:
+        """Copies `tensor` (a backend's array) into the array of variable `index`; returns it.
 
         On the host, `np.asarray` of the tensor is a view: one copy in all.
         """
@@ -138,6 +121,7 @@ class StateSnapshot:
         self.non_finite = non_finite
         self.extra = extra
         self._sources: list[Any] | None = sources
+        self._host_value = backends.current().host_value  # also from the writer thread
 
     def items(self) -> Iterator[tuple[str, np.ndarray]]:
         """Yields `(name, array)`, the variables' then `extra`'s, one host copy at a time.
@@ -147,12 +131,13 @@ class StateSnapshot:
         sources, self._sources = self._sources, None
         if sources is None:
             raise RuntimeError("This state snapshot was already written or released.")
+        host_value = self._host_value
         for i, key in enumerate(self.keys):
             source, sources[i] = sources[i], None  # held no longer than its write
             if isinstance(source, np.ndarray):
                 value = source  # staged: written from the staging array itself
             else:
-                value = np.asarray(tf.convert_to_tensor(_tf_value(source)))
+                value = host_value(source)
             del source
             yield key, value
             del value
@@ -177,17 +162,17 @@ def take_snapshot(
     Raises:
         CheckpointError: When a variable holds NaN or Inf and `allow_non_finite` is False.
     """
+    backend = backends.current()
     keys: list[str] = []
     paths: list[str] = []
     sources: list[Any] = []
-    checks: list[tuple[str, tf.Tensor]] = []
+    checks: list[tuple[str, Any]] = []
     for i, (group, variable) in enumerate(named):
-        value = _tf_value(variable)
-        tensor = tf.convert_to_tensor(value)  # on the variable's (primary) device
-        finite = _all_finite(tensor)
+        tensor = backend.read_value(variable)  # on the variable's (primary) device
+        finite = backend.finite_check(tensor)
         if finite is not None:
             checks.append((variable.path, finite))
-        on_read = getattr(value, "synchronization", None) == tf.VariableSynchronization.ON_READ
+        on_read = backend.reads_collectively(variable)
         if staging is not None:
             sources.append(staging.copy(i, tensor))
         else:  # reads of on-read variables are collectives: read once here, on every worker
@@ -195,7 +180,7 @@ def take_snapshot(
         del tensor
         keys.append(f"{group}/{i:05d}")
         paths.append(f"{group}:{variable.path}")
-    flags = np.asarray(tf.stack([flag for _, flag in checks])) if checks else np.ones(0, bool)
+    flags = backend.finite_flags([flag for _, flag in checks])  # one transfer
     bad = [path for (path, _), ok in zip(checks, flags) if not ok]
     if bad and not allow_non_finite:
         raise CheckpointError(

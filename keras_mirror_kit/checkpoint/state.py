@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from itertools import zip_longest
@@ -22,12 +23,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from keras_mirror_kit import backends
 from keras_mirror_kit.checkpoint.store import CheckpointError, LoadedCheckpoint
 from keras_mirror_kit.model_record import engine_of
 
 __all__ = [
     "Pairing",
     "apply_state",
+    "assign_state",
     "auto_name_prefixes",
     "build_optimizer",
     "global_random_state",
@@ -117,15 +120,106 @@ def apply_state(model: Any, loaded: LoadedCheckpoint, directory: str | os.PathLi
             loaded.path,
         )
     _log_learning_rate_change(named, keys, loaded)
-    for key, (_, variable) in zip(keys, named):
-        variable.assign(loaded.arrays[key])
     if "random/global" in loaded.arrays:
         try:
             from keras.src.random.seed_generator import global_seed_generator
         except ImportError as err:
             _skip_global_random(err)
         else:
-            global_seed_generator().state.assign(loaded.arrays["random/global"])
+            matched.append(("random/global", ("random", global_seed_generator().state)))
+    assign_state(matched, loaded, directory)
+
+
+def _converted(saved: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
+    """`saved` as `dtype` when every value converts exactly (both ways), else None."""
+    if saved.dtype == dtype:
+        return saved
+    raw = saved.dtype.type is np.void and saved.dtype.names is None
+    if raw and dtype.type is not np.void and saved.dtype.itemsize == dtype.itemsize:
+        return saved.view(dtype)  # a dtype NumPy cannot name (bfloat16): stored as its bytes
+    try:
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # NumPy's ComplexWarning and the like
+            converted = saved.astype(dtype)
+            back = converted.astype(saved.dtype)
+    except (TypeError, ValueError):
+        return None
+    exact = np.array_equal(back, saved, equal_nan=saved.dtype.kind in "fc")
+    return converted if exact else None
+
+
+def _conversions(
+    matched: Sequence[tuple[str, tuple[str, Any]]], loaded: LoadedCheckpoint, directory: Any
+) -> dict[str, np.dtype]:
+    """The dtype each saved array of another dtype converts to; a refusal when one does not.
+
+    Another backend writes some variables with other dtypes (TensorFlow's int64 optimizer
+    step and seed states are int32 and uint32 on JAX): their values are read (they are
+    small) and converted when every value is representable, before anything is assigned.
+
+    Raises:
+        CheckpointError: Naming each variable whose saved values do not convert exactly.
+    """
+    host_layout = backends.current().host_layout
+    saved_dtypes = loaded.dtypes
+    targets: dict[str, np.dtype] = {}
+    refused: list[str] = []
+    for key, (group, variable) in matched:
+        dtype = np.dtype(host_layout(variable)[1])
+        saved = saved_dtypes.get(key)
+        if saved is None or saved == dtype:
+            continue
+        if _converted(loaded.arrays[key], dtype) is None:
+            refused.append(
+                f"{group}:{variable.path} ({saved.name} in the checkpoint, {dtype.name} here)"
+            )
+        else:
+            targets[key] = dtype
+    if refused:
+        written = loaded.meta.backend
+        origin = f" on the {written} backend" if written and written != backends.name() else ""
+        wide = any("int64 in" in r and "int32 here" in r for r in refused)
+        raise CheckpointError(
+            f"The checkpoint {str(loaded.path)!r} was written{origin} with values that do not "
+            f"convert exactly to this model's variables on the {backends.name()} backend: "
+            f"{'; '.join(refused[:6])}{' ...' if len(refused) > 6 else ''}. Nothing was "
+            "restored. Restore it on the backend that wrote it"
+            + (" (or, on JAX, enable 64-bit integers: JAX_ENABLE_X64=1)" if wide else "")
+            + f". Received: directory={str(directory)!r}"
+        )
+    return targets
+
+
+def assign_state(
+    matched: Sequence[tuple[str, tuple[str, Any]]],
+    loaded: LoadedCheckpoint,
+    directory: str | os.PathLike[str],
+) -> None:
+    """Assigns each matched variable its saved array, converted where its dtype differs.
+
+    `matched` is what `match_state` returns (and `("random/global", ("random", state))`).
+
+    Raises:
+        CheckpointError: When a saved value does not convert exactly; nothing is assigned.
+    """
+    targets = _conversions(matched, loaded, directory)
+    written, here = loaded.meta.backend, backends.name()
+    if written is not None and written != here:
+        logger.info(
+            "keras-mirror-kit: restoring %s, written on the %s backend, on the %s backend "
+            "(%d value(s) converted exactly to this backend's dtypes: %s); the random "
+            "layers' draws from here on follow this backend's generator",
+            loaded.path,
+            written,
+            here,
+            len(targets),
+            ", ".join(sorted(targets)) or "none",
+        )
+    for key, (_, variable) in matched:
+        value = loaded.arrays[key]
+        if key in targets:
+            value = _converted(value, targets[key])
+        variable.assign(value)
 
 
 def _log_learning_rate_change(

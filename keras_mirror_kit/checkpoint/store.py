@@ -136,13 +136,19 @@ class CheckpointArrays(Mapping[str, np.ndarray]):
     No array is kept in memory: every lookup reads that one array (its zip CRC is
     checked), so restoring a state variable by variable holds one variable at a time. The
     file is opened at the first lookup and stays open until `close()` (or the end of a
-    `with` block, or the mapping is garbage collected). `shapes` holds each array's shape,
-    read from the file's array headers.
+    `with` block, or the mapping is garbage collected). `shapes` holds each array's shape
+    and `dtypes` its NumPy dtype, read from the file's array headers.
     """
 
-    def __init__(self, path: Path, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        shapes: Mapping[str, tuple[int, ...]],
+        dtypes: Mapping[str, np.dtype] | None = None,
+    ) -> None:
         self.path = Path(path)
         self.shapes: dict[str, tuple[int, ...]] = dict(shapes)
+        self.dtypes: dict[str, np.dtype] = dict(dtypes or {})
         self._archive: list[zipfile.ZipFile] = []  # the open file, shared with the finalizer
         weakref.finalize(self, _close_all, self._archive)
 
@@ -195,6 +201,11 @@ class LoadedCheckpoint:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """The shape of each array by name, without reading the arrays."""
         return dict(self.arrays.shapes)
+
+    @property
+    def dtypes(self) -> dict[str, np.dtype]:
+        """The NumPy dtype of each array by name, without reading the arrays."""
+        return dict(self.arrays.dtypes)
 
 
 class _CountingWriter:
@@ -275,16 +286,17 @@ def _sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _member_shape(archive: zipfile.ZipFile, name: str) -> tuple[int, ...]:
-    """The shape of one `.npy` member, from its header alone."""
+def _member_header(archive: zipfile.ZipFile, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype of one `.npy` member, from its header alone."""
     with archive.open(name) as member:
         version = np.lib.format.read_magic(member)
-        if version == (1, 0):
-            return tuple(np.lib.format.read_array_header_1_0(member)[0])
-        if version == (2, 0):
-            return tuple(np.lib.format.read_array_header_2_0(member)[0])
+        if version in ((1, 0), (2, 0)):
+            read = getattr(np.lib.format, f"read_array_header_{version[0]}_0")
+            shape, _, dtype = read(member)
+            return tuple(shape), np.dtype(dtype)
     with archive.open(name) as member:  # another header version: read the array
-        return tuple(np.lib.format.read_array(member, allow_pickle=False).shape)
+        array = np.lib.format.read_array(member, allow_pickle=False)
+        return tuple(array.shape), array.dtype
 
 
 def _read_meta(archive: zipfile.ZipFile) -> object:
@@ -511,8 +523,8 @@ class CheckpointStore:
                 if damaged is not None:
                     raise ValueError(f"member {damaged} fails its CRC")
                 raw = _read_meta(archive)
-                shapes = {
-                    name[: -len(".npy")]: _member_shape(archive, name)
+                headers = {
+                    name[: -len(".npy")]: _member_header(archive, name)
                     for name in archive.namelist()
                     if name.endswith(".npy") and name != f"{_META_KEY}.npy"
                 }
@@ -522,7 +534,10 @@ class CheckpointStore:
             meta = CheckpointMeta.from_json(raw)
         except ValueError as err:
             raise ValueError(f"{path.name} is not a keras-mirror-kit checkpoint ({err})") from err
-        return LoadedCheckpoint(path=path, arrays=CheckpointArrays(path, shapes), meta=meta)
+        shapes = {key: shape for key, (shape, _) in headers.items()}
+        dtypes = {key: dtype for key, (_, dtype) in headers.items()}
+        arrays = CheckpointArrays(path, shapes, dtypes)
+        return LoadedCheckpoint(path=path, arrays=arrays, meta=meta)
 
     def load_latest(self, require_epoch_end: bool = False) -> LoadedCheckpoint | None:
         """The newest checkpoint that verifies (warning about any skipped), or None.

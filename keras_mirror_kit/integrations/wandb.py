@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 try:
     import wandb
@@ -29,6 +28,7 @@ except ImportError as err:  # pragma: no cover - exercised in a subprocess test
         'installed. Install the extra with: pip install "keras-mirror-kit[wandb]"'
     ) from err
 
+from keras_mirror_kit import backends
 from keras_mirror_kit._version import __version__
 from keras_mirror_kit.callbacks.keras_loop import find_callback_list, steps_done
 from keras_mirror_kit.checkpoint.lock import LOCK_FILE
@@ -574,12 +574,17 @@ def _finish_open_runs_at_exit() -> None:
 
 
 def _run_config(dist: Distribution | None) -> dict[str, Any]:
-    """The run-config entries: `Distribution.as_config()` (if any) plus the versions."""
+    """The run-config entries: `Distribution.as_config()` (if any), the Keras backend and
+    the versions (`tensorflow_version` or `jax_version`: the backend's)."""
     config: dict[str, Any] = dict(dist.as_config()) if dist is not None else {}
+    backend = backends.current()
     config.update(
-        tensorflow_version=tf.__version__,
-        keras_version=keras.__version__,
-        keras_mirror_kit_version=__version__,
+        {
+            "keras_backend": backend.NAME,
+            f"{backend.NAME}_version": backend.version(),
+            "keras_version": keras.__version__,
+            "keras_mirror_kit_version": __version__,
+        }
     )
     return config
 
