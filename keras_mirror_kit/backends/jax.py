@@ -333,3 +333,37 @@ def call(
 def block_contexts() -> list[AbstractContextManager[Any]]:
     """Nothing besides the distribution's scope."""
     return []
+
+
+def count_training_flops(model: Any, input_specs: Any, label_spec: Any) -> Any:
+    """XLA's cost analysis of the lowered training computation (`throughput.flops_jax`)."""
+    from keras_mirror_kit.throughput import flops_jax
+
+    return flops_jax.count_training_flops(model, input_specs, label_spec)
+
+
+# `jax_default_matmul_precision` values under which float32 dots run as TF32 on a GPU
+# (None: XLA's default precision, TF32 on compute capability 8.0+).
+_TF32_PRECISIONS = ("default", "fastest", "tensorfloat32")
+
+
+def gpu_identity(gpu_indices: Sequence[int]) -> tuple[str, bool, int]:
+    """The first replica GPU's name (`device_kind`), whether float32 dots run as TF32 on it,
+    and how many GPUs the replicas are on (JAX does not split a GPU)."""
+    import jax
+
+    try:
+        gpus = {device.id: device for device in jax.devices("gpu")}
+    except RuntimeError:  # no GPU platform
+        gpus = {}
+    first = gpus.get(gpu_indices[0]) if gpu_indices else None
+    if first is None:
+        return "unknown GPU", False, max(1, len(set(gpu_indices)))
+    try:
+        capability = tuple(int(p) for p in str(first.compute_capability).split("."))
+    except (AttributeError, ValueError):
+        capability = (0, 0)
+    precision = jax.config.jax_default_matmul_precision
+    as_tf32 = precision is None or str(precision).lower() in _TF32_PRECISIONS
+    tf32 = capability >= (8, 0) and as_tf32
+    return str(first.device_kind), tf32, len(set(gpu_indices))

@@ -208,3 +208,32 @@ def call(
 def block_contexts() -> list[AbstractContextManager[Any]]:
     """What a `with kmk.distributed(...)` block enters besides the strategy's scope."""
     return [tf_data_iterator_stall.per_device_autotune_disabled()]
+
+
+def count_training_flops(model: Any, input_specs: Any, label_spec: Any) -> Any:
+    """TensorFlow's FLOP statistics of the traced training graph (`throughput.flops_tf`)."""
+    from keras_mirror_kit.throughput import flops_tf
+
+    return flops_tf.count_training_flops(model, input_specs, label_spec)
+
+
+def gpu_identity(gpu_indices: Sequence[int]) -> tuple[str, bool, int]:
+    """The first replica GPU's name, whether float32 matmuls run as TF32 on it, and how many
+    physical GPUs the replicas' (logical) GPUs `gpu_indices` are on."""
+    physical = tf.config.get_visible_devices("GPU")
+    owner: list[int] = []  # logical GPU index -> physical GPU position
+    for position, device in enumerate(physical):
+        configs = tf.config.get_logical_device_configuration(device) or [None]
+        owner.extend([position] * len(configs))
+    used = sorted({owner[i] for i in gpu_indices if i < len(owner)}) or [0]
+    name = "unknown GPU"
+    tf32 = False
+    if physical:
+        details = tf.config.experimental.get_device_details(physical[used[0]])
+        name = str(details.get("device_name") or name)
+        capability = details.get("compute_capability") or (0, 0)
+        tf32 = (
+            tuple(capability) >= (8, 0)
+            and tf.config.experimental.tensor_float_32_execution_enabled()
+        )
+    return name, tf32, len(used)
