@@ -29,10 +29,15 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_mirror_kit.data.info import DatasetInfo, dataset_info
 from keras_mirror_kit.distribution import Distribution
+from keras_mirror_kit.tensorflow_objects import (
+    is_dataset,
+    is_distributed_dataset,
+    is_tensor,
+    tensorflow_if_imported,
+)
 
 __all__ = [
     "BatchPlan",
@@ -104,14 +109,15 @@ def is_array_data(x: Any) -> bool:
     `__array__` such as pandas frames, sparse tensors and matrices), or a structure of them;
     not datasets, generators, `PyDataset`s or None.
     """
-    if x is None or isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+    if x is None or is_dataset(x) or is_distributed_dataset(x):
         return False
     can_convert = _keras_can_convert_arrays()
     if can_convert is not None:
         return bool(can_convert((x,)))
-    leaves = tf.nest.flatten(x)
+    leaves = keras.tree.flatten(x)
     return bool(leaves) and all(
-        isinstance(leaf, (np.ndarray, tf.Tensor)) and len(np.shape(leaf)) > 0 for leaf in leaves
+        (isinstance(leaf, np.ndarray) or is_tensor(leaf)) and len(np.shape(leaf)) > 0
+        for leaf in leaves
     )
 
 
@@ -163,7 +169,8 @@ def dataset_batch_size(dataset: Any) -> int | None:
     info, node = _find(dataset, _KEEPS_BATCH)
     if info is not None:
         return info.batch_size
-    if type(node).__name__ in _BATCHING:
+    tf = tensorflow_if_imported()  # a tf.data node exists only once TensorFlow is imported
+    if tf is not None and type(node).__name__ in _BATCHING:
         value = tf.get_static_value(getattr(node, "_batch_size", None))
         return int(value) if value is not None else None
     return None
@@ -243,7 +250,7 @@ def check_input(x: Any, dist: Distribution, method: str, argument: str = "x") ->
     `ValueError` for a dataset already distributed over the replicas, or, for `fit`'s `x`, one
     batched to another size than the global batch size. `argument` names it in messages.
     """
-    if isinstance(x, tf.distribute.DistributedDataset):
+    if is_distributed_dataset(x):
         raise ValueError(
             f"{method}() was given a dataset already distributed over the replicas (by "
             "strategy.experimental_distribute_dataset or distribute_datasets_from_function). "
