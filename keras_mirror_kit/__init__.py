@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
     from keras_mirror_kit.data.info import cursor_of
     from keras_mirror_kit.data.pipeline import make_dataset
     from keras_mirror_kit.data.preprocess import preprocess_placement, rescale
+    from keras_mirror_kit.data.records import tfrecord_dataset
     from keras_mirror_kit.devices import nccl_available, simulate_replicas
     from keras_mirror_kit.distributed import DistributedFactory, distributed
     from keras_mirror_kit.distribution import Distribution, current
@@ -85,6 +86,7 @@ _LAZY: dict[str, str] = {
     "global_batch_size": "keras_mirror_kit.scaling",
     "image_dataset_from_directory": "keras_mirror_kit.data.folders",
     "text_dataset_from_directory": "keras_mirror_kit.data.folders",
+    "tfrecord_dataset": "keras_mirror_kit.data.records",
     "make_dataset": "keras_mirror_kit.data.pipeline",
     "models": "keras_mirror_kit.models",
     "nccl_available": "keras_mirror_kit.devices",
@@ -137,6 +139,7 @@ __all__ = [
     "simulate_replicas",
     "synchronize_batch_norm",
     "text_dataset_from_directory",
+    "tfrecord_dataset",
     "__version__",
 ]
 

@@ -5,7 +5,8 @@ the next iteration starts from), `info` (`DatasetInfo`: what the kit records of 
 built, and its one reader), `preprocess` (`rescale()` and the replica-side twin), `sources`
 (a list of items read by `load`, in an `index_shuffle` order; tables), `samples` (per-sample
 `load`, batching, this worker's part), `folders` (`image_dataset_from_directory`,
-`text_dataset_from_directory` with Keras' signatures), `augment` (random draws keyed on
+`text_dataset_from_directory` with Keras' signatures), `records` (`tfrecord_dataset` and its
+record index), `augment` (random draws keyed on
 seed, epoch and batch), `sharding` (which samples each worker decodes).
 """
 
@@ -20,6 +21,7 @@ from keras_mirror_kit.data.preprocess import (
     replica_variant,
     rescale,
 )
+from keras_mirror_kit.data.records import tfrecord_dataset
 
 __all__ = [
     "PREPROCESS_ON",
@@ -34,4 +36,5 @@ __all__ = [
     "replica_variant",
     "rescale",
     "text_dataset_from_directory",
+    "tfrecord_dataset",
 ]

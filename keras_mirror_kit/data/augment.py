@@ -77,6 +77,7 @@ _install_lock = threading.Lock()
 
 def fold_key(key: tf.Tensor, *data: Any) -> tf.Tensor:
     """`key` (int64, shape [2]) folded with each of `data` in turn: a new stateless seed."""
+    key = tf.reshape(key, [2])
     for value in data:
         key = tf.random.experimental.stateless_fold_in(key, tf.cast(value, tf.int64))
     return key

@@ -35,9 +35,9 @@ from keras_mirror_kit.data.preprocess import (
 from keras_mirror_kit.data.samples import BATCH_DOMAIN, apply_keyed
 from keras_mirror_kit.data.sharding import worker_slice
 from keras_mirror_kit.data.sources import indexed_dataset, to_tensors
-from keras_mirror_kit.validation import non_negative_int, positive_int
+from keras_mirror_kit.validation import check_bool, non_negative_int, positive_int
 
-__all__ = ["build_dataset", "make_dataset"]
+__all__ = ["build_dataset", "finish_dataset", "make_dataset", "resolve_seed"]
 
 
 def _multi_worker_expected() -> bool:
@@ -194,14 +194,8 @@ def build_dataset(
     placement = _placement(preprocess, preprocess_on)
     if load is not None and not callable(load):
         raise TypeError(f"`load` must be callable. Received: load={load!r}")
-    if seed is not None:
-        seed = non_negative_int("seed", seed)
-    elif shuffle and _multi_worker_expected():
-        raise ValueError(
-            "make_dataset() needs a `seed` in a multi-worker run: every worker must shuffle "
-            "in the same order before the data is sharded, or the workers' slices of a "
-            "global batch overlap. Pass the same seed on every worker. Received: seed=None"
-        )
+    strict = check_bool("strict", strict)
+    seed, seed_given = resolve_seed(seed, shuffle, "make_dataset")
     if num_replicas is not None:
         positive_int("num_replicas", num_replicas)
         warnings.warn(
@@ -217,10 +211,6 @@ def build_dataset(
     tensors = (features,) if labels is None else (features, labels)
     n = _num_samples(tensors)
     num_batches = _num_batches(n, batch_size, drop)
-    seed_given = seed is not None
-    if seed is None:
-        seed = int(np.random.default_rng().integers(0, 2**31 - 1))
-
     cursor = DatasetCursor(num_batches, seed=seed, seed_given=seed_given, num_samples=n)
     info = DatasetInfo(
         cursor,
@@ -244,7 +234,7 @@ def build_dataset(
                 load=load,
                 preprocess=apply,
                 part=part,
-                strict=bool(strict) if check else None,
+                strict=strict if check else None,
                 label_map=label_map,
             )
     else:
@@ -264,28 +254,55 @@ def build_dataset(
             dataset = indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             if check:
                 for graph in graphs:
-                    check_deterministic(graph, f"preprocess={apply!r}", bool(strict))
+                    check_deterministic(graph, f"preprocess={apply!r}", strict)
             return dataset
 
+    return finish_dataset(batches, info, preprocess, preprocess_on, y is not None, prefetch)
+
+
+def resolve_seed(seed: Any, shuffle: bool, who: str) -> tuple[int, bool]:
+    """`(seed, seed_given)`: the seed checked, or one drawn at random (not multi-worker)."""
+    if seed is not None:
+        return non_negative_int("seed", seed), True
+    if shuffle and _multi_worker_expected():
+        raise ValueError(
+            f"{who}() needs a `seed` in a multi-worker run: every worker must shuffle "
+            "in the same order before the data is sharded, or the workers' slices of a "
+            "global batch overlap. Pass the same seed on every worker. Received: seed=None"
+        )
+    return int(np.random.default_rng().integers(0, 2**31 - 1)), False
+
+
+def finish_dataset(
+    batches: Callable[[Callable[[Any], Any] | None, bool], tf.data.Dataset],
+    info: DatasetInfo,
+    preprocess: Callable[[Any], Any] | None,
+    preprocess_on: str,
+    has_y: bool,
+    prefetch: bool,
+) -> tf.data.Dataset:
+    """The kit dataset from `batches(apply, check)`: prefetch, options, its `DatasetInfo`,
+    and the stored-dtype twin when `preprocess` runs on the replicas."""
+
     def build(apply: Callable[[Any], Any] | None, dataset_info: DatasetInfo) -> tf.data.Dataset:
-        dataset = batches(apply, check=dataset_info.variant is None or apply is not None)
+        dataset = batches(apply, dataset_info.variant is None or apply is not None)
         if prefetch:
             dataset = dataset.prefetch(tf.data.AUTOTUNE)
         dataset = _with_kit_options(dataset)
         record_dataset(dataset, dataset_info)
         return dataset
 
-    if placement != "replica":
+    if info.preprocess_on != "replica":
         return build(preprocess, info)
     assert preprocess is not None
-    stored_batches = batches(None, check=False).element_spec
+    stored_batches = batches(None, False).element_spec
     stored = tf.nest.map_structure(
         lambda spec: tf.TensorSpec([None, *spec.shape[1:]], spec.dtype),
-        stored_batches if y is None else stored_batches[0],
+        stored_batches[0] if has_y else stored_batches,
     )
     variant = ReplicaVariant(
         preprocess,
-        y is not None,
+        has_y,
         stored,
         lambda twin: build(None, dataclasses.replace(info, variant=twin)),
         requested=preprocess_on == "replica",

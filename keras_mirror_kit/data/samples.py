@@ -72,8 +72,12 @@ def load_batches(
     label_map: Callable[[Any], Any] | None = None,
     preprocess: Callable[[Any], Any] | None = None,
     strict: bool | None = False,
+    labels_from_load: bool = False,
 ) -> tf.data.Dataset:
     """Batches of `(features, labels)` (or features) from a dataset of batches of items.
+
+    The labels are the batches' own, or, with `labels_from_load`, the second element of the
+    `(features, labels)` pair `load` returns (a record holds both).
 
     Random draws from shared state in `load` and `preprocess` are named in a WARNING, or
     refused with `strict=True`; `strict=None` skips the check (the stored-dtype twin, whose
@@ -95,7 +99,7 @@ def load_batches(
             "id": tf.gather(batch["ids"], picks),
             "valid": tf.range(wanted) < count,
         }
-        if has_y:
+        if has_y and not labels_from_load:
             per_sample["labels"] = tf.nest.map_structure(
                 lambda t: tf.gather(t, picks), batch["labels"]
             )
@@ -112,7 +116,11 @@ def load_batches(
         key = fold_key(sample["epoch_key"], SAMPLE_DOMAIN, sample["id"])
         loaded = dict(sample)
         del loaded["items"]
-        loaded["features"] = apply_keyed(load, sample["items"], key)
+        value = apply_keyed(load, sample["items"], key)
+        if labels_from_load:
+            loaded["features"], loaded["labels"] = value
+        else:
+            loaded["features"] = value
         return loaded
 
     def finish(batch: dict[str, Any]) -> Any:
