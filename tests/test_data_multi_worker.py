@@ -83,3 +83,23 @@ def test_two_workers_decode_disjoint_parts_and_train_like_one_process(tmp_path):
     for rank in (0, 1):
         got = _weights(two / f"weights-{rank}.npz")
         assert max(float(np.max(np.abs(a - b))) for a, b in zip(expected, got)) <= 1e-6
+
+
+def test_each_worker_keeps_a_contiguous_block_of_a_batch():
+    """The block each worker decodes is the one MultiWorkerMirroredStrategy keeps for it
+    (measured: keras_mirror_kit/data/sharding.py's docstring). Refusing a block computed
+    for another layout: tests/test_data_sources.py."""
+    from keras_mirror_kit.data.sharding import WorkerSlice, own_range
+
+    def blocks(workers, replicas_per_worker, size):
+        return [
+            tuple(
+                int(v)
+                for v in own_range(np.int64(size), WorkerSlice(r, workers, replicas_per_worker))
+            )
+            for r in range(workers)
+        ]
+
+    assert blocks(2, 1, 8) == [(0, 4), (4, 8)]
+    assert blocks(2, 1, 2) == [(0, 1), (1, 2)] and blocks(2, 1, 1) == [(0, 1), (1, 1)]
+    assert blocks(2, 2, 8) == [(0, 4), (4, 8)] and blocks(2, 2, 5) == [(0, 4), (4, 5)]

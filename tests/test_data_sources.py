@@ -231,3 +231,96 @@ def test_a_folder_job_without_a_seed_resumes_in_its_own_order(images, tmp_path):
     )
     assert counter.batches == 2  # 3 batches per epoch; resumed after batch 1 of epoch 1
     assert kmk.cursor_of(ds).seed == crashed_seed  # the interrupted run's order
+
+
+def keras_loader_is_no_kit_dataset(images, tmp_path):
+    keras_ds = keras.utils.image_dataset_from_directory(images, verbose=False)
+    kmk.SyncedCheckpoint(tmp_path / "ckpt", dataset=keras_ds)
+
+
+def truncated_record_file(tmp_path):
+    shard = data_files.record_shards(tmp_path / "records", counts=(3,))[0]
+    broken = tmp_path / "broken.tfrecord"
+    broken.write_bytes(open(shard, "rb").read()[:-7])
+    kmk.tfrecord_dataset([str(broken)], data_files.parse, 4)
+
+
+def part_for_another_layout(images, tmp_path):
+    from keras_mirror_kit.data.sharding import WorkerSlice, record_part
+
+    model = small_model()
+    ds = kmk.image_dataset_from_directory(images, image_size=SIZE, batch_size=8, seed=1)
+    # As if built on worker 1 of 2 that counted 2 replicas per worker (this model: 2 in all).
+    record_part(kmk.cursor_of(ds), WorkerSlice(rank=1, num_workers=2, replicas_per_worker=2))
+    model.fit(ds, epochs=1, verbose=0)
+
+
+# Misuse of the file sources: docs/reliability.md's "Files, tables and records" table.
+FILE_SOURCE_ERRORS = {
+    "image folder without a batch size": (
+        TypeError,
+        lambda images, tmp: kmk.image_dataset_from_directory(images, batch_size=None),
+    ),
+    "image folder with format='grain'": (
+        ValueError,
+        lambda images, tmp: kmk.image_dataset_from_directory(images, format="grain"),
+    ),
+    "stateful random preprocess with strict=True": (
+        ValueError,
+        lambda images, tmp: kmk.make_dataset(
+            np.zeros((8, 2, 2, 3), "uint8"),
+            None,
+            4,
+            seed=0,
+            preprocess=tf.image.random_flip_left_right,
+            strict=True,
+        ),
+    ),
+    "a preprocess taking a seed placed on the replicas": (
+        ValueError,
+        lambda images, tmp: kmk.make_dataset(
+            np.zeros((8, 2)), None, 4, preprocess=lambda x, seed: x, preprocess_on="replica"
+        ),
+    ),
+    "table column of mixed objects": (
+        TypeError,
+        lambda images, tmp: kmk.make_dataset(pd.DataFrame({"thal": ["fixed", None, 3]}), None, 2),
+    ),
+    "truncated TFRecord file": (ValueError, lambda images, tmp: truncated_record_file(tmp)),
+    "TFRecord pattern that matches nothing": (
+        ValueError,
+        lambda images, tmp: kmk.tfrecord_dataset(
+            str(tmp / "none-*.tfrecord"), data_files.parse, 4
+        ),
+    ),
+    "a worker's part computed for another layout than the model's": (
+        ValueError,
+        part_for_another_layout,
+    ),
+    "a Keras loader as SyncedCheckpoint(dataset=)": (
+        ValueError,
+        lambda images, tmp: keras_loader_is_no_kit_dataset(images, tmp),
+    ),
+}
+
+
+def test_file_source_misuse_gives_the_documented_errors(images, tmp_path):
+    import re
+
+    from tests.subproc import REPO
+
+    doc = (REPO / "docs" / "reliability.md").read_text()
+    section = doc.split("## Files, tables and records", 1)[1].split("\n## ", 1)[0]
+    table = {
+        m.group(1).strip(): m.group(2).strip()
+        for m in re.finditer(r"^\| ([^|]+) \| ([^|]+)", section, re.M)
+    }
+    for name, (error, trigger) in FILE_SOURCE_ERRORS.items():
+        with pytest.raises(error) as raised:
+            trigger(images, tmp_path)
+        assert type(raised.value) is error, name
+        row = table.get(name)
+        assert row is not None, f"docs/reliability.md lacks: {name}"
+        assert row.startswith(f"{error.__name__}: "), (name, row)
+        shown = str(raised.value).replace(str(tmp_path), "<dir>").replace(str(images), "<dir>")
+        assert row[len(error.__name__) + 2 :][:60] == shown[:60], (name, row, shown)

@@ -11,8 +11,8 @@ in the epoch (or the sample's index, for `load`):
   generator's own seed and the number of draws traced before it, instead of advancing its
   state variable. Keras' random preprocessing layers and `keras.random.*` (seeded with a
   `SeedGenerator`, or unseeded: the global generator) draw through it.
-* A function with a `seed` parameter receives the key itself (an int64 tensor of shape
-  [2]), for `tf.random.stateless_*` and `tf.image.stateless_random_*`.
+* A function with a `seed` parameter (without a default) receives the key itself (an
+  int64 tensor of shape [2]), for `tf.random.stateless_*` and `tf.image.stateless_random_*`.
 * Stateful TensorFlow random ops and variable writes are found by walking the traced
   function (nested functions included): a WARNING names them, or `strict=True` refuses.
 """
@@ -31,6 +31,7 @@ import tensorflow as tf
 __all__ = [
     "STATEFUL_RANDOM_OPS",
     "check_deterministic",
+    "describe",
     "fold_key",
     "stateful_ops",
     "stateless_draws",
@@ -134,12 +135,25 @@ def stateless_draws(key: tf.Tensor) -> Iterator[None]:
 
 
 def takes_seed(function: Callable[..., Any]) -> bool:
-    """Whether `function` has a parameter named `seed` (it then gets the stateless key)."""
+    """Whether `function` has a parameter `seed` without a default (it gets the key).
+
+    A `seed=None` default is TensorFlow's op-level seed of a stateful op
+    (`tf.image.random_flip_left_right(image, seed=None)`): such a function is not given
+    the key, and its stateful draws are named by `check_deterministic`.
+    """
     try:
         parameters = inspect.signature(function).parameters
     except (TypeError, ValueError):
         return False
-    return "seed" in parameters
+    seed = parameters.get("seed")
+    return seed is not None and seed.default is inspect.Parameter.empty
+
+
+def describe(function: Any) -> str:
+    """A function's name (`random_flip_left_right`, `load.<locals>.<lambda>`), else its repr."""
+    if inspect.isfunction(function) or inspect.ismethod(function):
+        return function.__qualname__
+    return repr(function)
 
 
 def _op_types(graph_def: Any) -> Iterator[tuple[str, str]]:
@@ -171,8 +185,8 @@ def check_deterministic(graph: tf.Graph, what: str, strict: bool) -> None:
         "parallel calls, so its results differ from run to run and a resumed run cannot "
         f"match: {', '.join(found[:8])}{' ...' if len(found) > 8 else ''}. Use Keras' "
         "random preprocessing layers or keras.random with a SeedGenerator (the kit makes "
-        "them deterministic), or give the function a `seed` argument and use "
-        "tf.random.stateless_* / tf.image.stateless_random_* with it."
+        "them deterministic), or give the function a `seed` parameter (without a default) "
+        "and use tf.random.stateless_* / tf.image.stateless_random_* with it."
     )
     if strict:
         raise ValueError(f"{message} Received: strict=True")

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror_kit.data.augment import check_deterministic, fold_key, takes_seed
+from keras_mirror_kit.data.augment import check_deterministic, describe, fold_key, takes_seed
 from keras_mirror_kit.data.cursor import DatasetCursor
 from keras_mirror_kit.data.info import DatasetInfo, record_dataset
 from keras_mirror_kit.data.preprocess import (
@@ -33,7 +33,7 @@ from keras_mirror_kit.data.preprocess import (
     runs_on_replicas_by_default,
 )
 from keras_mirror_kit.data.samples import BATCH_DOMAIN, apply_keyed
-from keras_mirror_kit.data.sharding import worker_slice
+from keras_mirror_kit.data.sharding import record_part, worker_slice
 from keras_mirror_kit.data.sources import indexed_dataset, to_tensors
 from keras_mirror_kit.validation import check_bool, non_negative_int, positive_int
 
@@ -93,9 +93,10 @@ def make_dataset(
             `kmk.rescale()` to cast uint8 images to float in [0, 1], or Keras' random
             preprocessing layers). Its random draws are keyed on (seed, epoch, batch): Keras
             layers and `keras.random` with a `SeedGenerator` draw stateless seeds from that
-            key, and a function with a `seed` parameter receives it (an int64 tensor of
-            shape [2], for `tf.random.stateless_*` and `tf.image.stateless_random_*`). Two
-            runs then augment identically, and a resumed run as the uninterrupted one.
+            key, and a function with a `seed` parameter without a default receives it (an
+            int64 tensor of shape [2], for `tf.random.stateless_*` and
+            `tf.image.stateless_random_*`). Two runs then augment identically, and a
+            resumed run as the uninterrupted one.
             Stateful random ops (`tf.random.uniform`, `tf.image.random_*`) are named in a
             WARNING (or refused with `strict=True`).
         preprocess_on: Where `preprocess` runs for a model built by the kit (a
@@ -220,6 +221,7 @@ def build_dataset(
     )
     if load is not None:
         part = worker_slice()
+        record_part(cursor, part)
 
         def batches(apply: Callable[[Any], Any] | None, check: bool) -> tf.data.Dataset:
             return indexed_dataset(
@@ -254,7 +256,7 @@ def build_dataset(
             dataset = indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             if check:
                 for graph in graphs:
-                    check_deterministic(graph, f"preprocess={apply!r}", strict)
+                    check_deterministic(graph, f"preprocess={describe(apply)}", strict)
             return dataset
 
     return finish_dataset(batches, info, preprocess, preprocess_on, y is not None, prefetch)

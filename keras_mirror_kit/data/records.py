@@ -41,7 +41,7 @@ from keras_mirror_kit.data.pipeline import (
     resolve_seed,
 )
 from keras_mirror_kit.data.samples import load_batches, slot_count
-from keras_mirror_kit.data.sharding import WorkerSlice, worker_slice
+from keras_mirror_kit.data.sharding import WorkerSlice, record_part, worker_slice
 from keras_mirror_kit.validation import check_bool, positive_int
 
 __all__ = ["count_records", "record_batches", "tfrecord_dataset"]
@@ -219,6 +219,7 @@ def _records_dataset(
         preprocess=preprocess,
         strict=strict,
         labels_from_load=has_y,
+        short_batches=not drop and total % batch_size != 0,
     )
     return dataset.apply(tf.data.experimental.assert_cardinality(num_batches))
 
@@ -346,6 +347,7 @@ def tfrecord_dataset(
     )
     has_y = _parse_gives_labels(parse)
     part = worker_slice()
+    record_part(cursor, part)
 
     def batches(apply: Callable[[Any], Any] | None, check: bool) -> tf.data.Dataset:
         return _records_dataset(

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from keras_mirror_kit.data.augment import (
     check_deterministic,
+    describe,
     fold_key,
     stateless_draws,
     takes_seed,
@@ -73,6 +74,7 @@ def load_batches(
     preprocess: Callable[[Any], Any] | None = None,
     strict: bool | None = False,
     labels_from_load: bool = False,
+    short_batches: bool = True,
 ) -> tf.data.Dataset:
     """Batches of `(features, labels)` (or features) from a dataset of batches of items.
 
@@ -81,10 +83,19 @@ def load_batches(
 
     Random draws from shared state in `load` and `preprocess` are named in a WARNING, or
     refused with `strict=True`; `strict=None` skips the check (the stored-dtype twin, whose
-    dataset was checked).
+    dataset was checked). Without `short_batches` (one worker, every batch full) the
+    batches go through unpadded.
     """
+    padded = short_batches or part is not None
 
     def to_slots(batch: dict[str, Any]) -> dict[str, Any]:
+        if not padded:
+            per_sample = {"items": batch["items"], "id": batch["ids"]}
+            if has_y and not labels_from_load:
+                per_sample["labels"] = batch["labels"]
+            for name in ("epoch_key", "position"):
+                per_sample[name] = tf.repeat(batch[name][tf.newaxis], slots, axis=0)
+            return per_sample
         size = tf.shape(batch["ids"], out_type=tf.int64)[0]
         if part is None:
             start, end = tf.constant(0, tf.int64), size
@@ -112,7 +123,7 @@ def load_batches(
     graphs: list[tuple[tf.Graph, str]] = []
 
     def load_one(sample: dict[str, Any]) -> dict[str, Any]:
-        graphs.append((tf.compat.v1.get_default_graph(), f"load={load!r}"))
+        graphs.append((tf.compat.v1.get_default_graph(), f"load={describe(load)}"))
         key = fold_key(sample["epoch_key"], SAMPLE_DOMAIN, sample["id"])
         loaded = dict(sample)
         del loaded["items"]
@@ -125,18 +136,25 @@ def load_batches(
 
     def finish(batch: dict[str, Any]) -> Any:
         def valid(part_of_batch: Any) -> Any:
-            return tf.nest.map_structure(
-                lambda t: tf.boolean_mask(t, batch["valid"]), part_of_batch
+            # Padding is rare (a short batch); a full batch is passed on without a copy.
+            return tf.cond(
+                tf.reduce_all(batch["valid"]),
+                lambda: part_of_batch,
+                lambda: tf.nest.map_structure(
+                    lambda t: tf.boolean_mask(t, batch["valid"]), part_of_batch
+                ),
             )
 
-        features = valid(batch["features"])
-        labels = valid(batch["labels"]) if has_y else None
+        features, labels = batch["features"], batch.get("labels")
+        if padded:
+            features = valid(features)
+            labels = valid(labels) if has_y else None
         if part is not None:
             size, start = batch["size"][0], batch["start"][0]
             features = fill_batch(features, size, start)
             labels = fill_batch(labels, size, start) if has_y else None
         if preprocess is not None:
-            graphs.append((tf.compat.v1.get_default_graph(), f"preprocess={preprocess!r}"))
+            graphs.append((tf.compat.v1.get_default_graph(), f"preprocess={describe(preprocess)}"))
             key = fold_key(batch["epoch_key"][0], BATCH_DOMAIN, batch["position"][0])
             features = apply_keyed(preprocess, features, key)
         if has_y and label_map is not None:

@@ -18,12 +18,13 @@ discards. The samples each worker decodes are disjoint, and together they are th
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["WorkerSlice", "fill_batch", "own_range", "worker_slice"]
+__all__ = ["WorkerSlice", "fill_batch", "own_range", "part_of", "record_part", "worker_slice"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,23 @@ def worker_slice() -> WorkerSlice | None:
     if num_workers <= 1 or rank is None:
         return None
     return WorkerSlice(rank, num_workers, _replicas_per_worker(num_workers))
+
+
+# The part a file source decodes, by its cursor (shared by the dataset and its twin), for
+# the fit checks (`keras_mirror_kit.fit_inputs`): a guess of the replicas per worker that the
+# model contradicts is refused before any step.
+_PARTS: weakref.WeakKeyDictionary[Any, WorkerSlice] = weakref.WeakKeyDictionary()
+
+
+def record_part(cursor: Any, part: WorkerSlice | None) -> None:
+    """Records the worker part a dataset with this cursor decodes (None: all of it)."""
+    if part is not None:
+        _PARTS[cursor] = part
+
+
+def part_of(cursor: Any) -> WorkerSlice | None:
+    """The `WorkerSlice` a kit dataset with this cursor decodes, or None (all samples)."""
+    return _PARTS.get(cursor)
 
 
 def own_range(size: tf.Tensor, part: WorkerSlice) -> tuple[tf.Tensor, tf.Tensor]:

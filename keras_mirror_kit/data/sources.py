@@ -140,5 +140,6 @@ def indexed_dataset(
         label_map=label_map,
         preprocess=preprocess,
         strict=strict,
+        short_batches=bool(last_size),
     )
     return dataset.apply(tf.data.experimental.assert_cardinality(num_batches))
