@@ -5,8 +5,9 @@ job (an augmented `kmk.image_dataset_from_directory` job, a `kmk.tfrecord_datase
 per save mode (`SyncedCheckpoint(async_save=False)` and `True`). Each trial SIGKILLs the
 training process right after a seeded training step (seed 20261202 + job and mode), then
 one process per job trains the uninterrupted run twice and resumes every trial: each must
-resume from the newest checkpoint written before its kill (with an asynchronous save,
-possibly the one before), train no step twice, and end with the uninterrupted weights.
+resume from a save point no later than its kill (with synchronous saves, the last one
+before it; with asynchronous saves, one still being written is lost), train no step
+twice, and end with the uninterrupted weights.
 
 Usage:
 

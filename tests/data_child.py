@@ -13,10 +13,10 @@ SIGKILLs itself. `finish` reads SPEC_JSON, `{"out": DIR, "jobs": {JOB: {"data": 
 "twice": bool, "resume": [{"directory": CKPT, "async_save": bool}, ...]}}}`, and, in this
 one process, trains each job's uninterrupted reference (twice with "twice": augmentation
 must make the two identical), then resumes each CKPT with a fresh model (other initial
-weights) and the save mode its trial was killed in. Its RESULT line gives, per job, the
-largest weight difference between the two uninterrupted runs, and per CKPT the restored
-step, the steps trained after it, the optimizer's iterations and the largest difference
-from the reference.
+weights when a checkpoint was written) and the save mode its trial was killed in. Its
+RESULT line gives, per job, the largest weight difference between the two uninterrupted
+runs, and per CKPT the restored step, the steps trained after it, the optimizer's
+iterations and the largest difference from the reference.
 """
 
 from __future__ import annotations
@@ -145,8 +145,11 @@ def main() -> int:
             second = train(job, plan["data"], out + "-b", 3, False)[0]
             found["uninterrupted_diff"] = max_diff(reference, second.get_weights())
         for trial in plan["resume"]:
+            # A rerun builds its model afresh: other initial weights when a checkpoint
+            # will replace them, the run's own when the kill came before any was written.
+            written = any(name.endswith(".npz") for name in os.listdir(trial["directory"]))
             net, restored, trained = train(
-                job, plan["data"], trial["directory"], 99, trial["async_save"]
+                job, plan["data"], trial["directory"], 99 if written else 3, trial["async_save"]
             )
             found["resumed"].append(
                 {

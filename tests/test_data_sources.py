@@ -128,6 +128,21 @@ def test_items_read_by_load_shuffle_per_epoch_and_resume_at_any_batch():
     assert resumed[:4] == epoch1[3:] and resumed[4:] == epoch1[:3]
 
 
+def test_npy_files_through_numpy_function(tmp_path):
+    paths = []
+    for i in range(6):
+        np.save(tmp_path / f"{i}.npy", np.full((2, 3), i, "float32"))
+        paths.append(str(tmp_path / f"{i}.npy"))
+
+    def load(path):
+        array = tf.numpy_function(lambda p: np.load(p.decode()), [path], tf.float32)
+        return tf.ensure_shape(array, (2, 3))
+
+    ds = kmk.make_dataset(paths, np.arange(6), 3, shuffle=False, load=load)
+    x, y = next(iter(ds))
+    assert x.shape == (3, 2, 3) and x.numpy()[:, 0, 0].tolist() == [0, 1, 2] == y.numpy().tolist()
+
+
 def test_a_resumed_epoch_loads_nothing_before_its_first_batch():
     loaded: list[int] = []
 
