@@ -27,16 +27,17 @@ from keras_mirror_kit._version import __version__
 
 if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
     from keras_mirror_kit import datasets, models
+    from keras_mirror_kit.backends import simulate_replicas
     from keras_mirror_kit.batch_norm import synchronize_batch_norm
     from keras_mirror_kit.callbacks import (
         ReplicaDivergenceError,
         SyncedCheckpoint,
         ThroughputMonitor,
     )
-    from keras_mirror_kit.callbacks.synced_checkpoint.preemption import Preempted
-    from keras_mirror_kit.callbacks.synced_checkpoint.restore import restore
-    from keras_mirror_kit.checkpoint_lock import CheckpointLockedError, StaleLockWarning
-    from keras_mirror_kit.checkpoint_store import (
+    from keras_mirror_kit.checkpoint.lock import CheckpointLockedError, StaleLockWarning
+    from keras_mirror_kit.checkpoint.preemption import Preempted
+    from keras_mirror_kit.checkpoint.restore import restore
+    from keras_mirror_kit.checkpoint.store import (
         CheckpointError,
         CheckpointWriteError,
         CorruptCheckpointWarning,
@@ -50,11 +51,13 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
     from keras_mirror_kit.data.pipeline import make_dataset
     from keras_mirror_kit.data.preprocess import preprocess_placement, rescale
     from keras_mirror_kit.data.records import tfrecord_dataset
-    from keras_mirror_kit.devices import nccl_available, simulate_replicas
+    from keras_mirror_kit.devices import nccl_available
     from keras_mirror_kit.distributed import DistributedFactory, distributed
     from keras_mirror_kit.distribution import Distribution, current
     from keras_mirror_kit.model_record import distribution_of
     from keras_mirror_kit.multi_worker import PREEMPTED_EXIT_CODE
+    from keras_mirror_kit.replica_check.record import ReplicaCheck
+    from keras_mirror_kit.replica_check.runner import check_replicas
     from keras_mirror_kit.scaling import (
         global_batch_size,
         per_replica_batch_size,
@@ -67,9 +70,9 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
 # Public name -> the module that defines it (a sub-package maps to itself). Keep in step
 # with the TYPE_CHECKING imports above and `__all__` (tests/test_packaging.py checks).
 _LAZY: dict[str, str] = {
-    "CheckpointError": "keras_mirror_kit.checkpoint_store",
-    "CheckpointWriteError": "keras_mirror_kit.checkpoint_store",
-    "CorruptCheckpointWarning": "keras_mirror_kit.checkpoint_store",
+    "CheckpointError": "keras_mirror_kit.checkpoint.store",
+    "CheckpointWriteError": "keras_mirror_kit.checkpoint.store",
+    "CorruptCheckpointWarning": "keras_mirror_kit.checkpoint.store",
     "DatasetCursor": "keras_mirror_kit.data.cursor",
     "Distribution": "keras_mirror_kit.distribution",
     "DistributedFactory": "keras_mirror_kit.distributed",
@@ -93,15 +96,17 @@ _LAZY: dict[str, str] = {
     "per_replica_batch_size": "keras_mirror_kit.scaling",
     "rescale": "keras_mirror_kit.data.preprocess",
     "scale_learning_rate": "keras_mirror_kit.scaling",
-    "simulate_replicas": "keras_mirror_kit.devices",
+    "simulate_replicas": "keras_mirror_kit.backends",
     "synchronize_batch_norm": "keras_mirror_kit.batch_norm",
     "preprocess_placement": "keras_mirror_kit.data.preprocess",
-    "restore": "keras_mirror_kit.callbacks.synced_checkpoint.restore",
-    "CheckpointLockedError": "keras_mirror_kit.checkpoint_lock",
-    "StaleLockWarning": "keras_mirror_kit.checkpoint_lock",
-    "Preempted": "keras_mirror_kit.callbacks.synced_checkpoint.preemption",
+    "restore": "keras_mirror_kit.checkpoint.restore",
+    "CheckpointLockedError": "keras_mirror_kit.checkpoint.lock",
+    "StaleLockWarning": "keras_mirror_kit.checkpoint.lock",
+    "Preempted": "keras_mirror_kit.checkpoint.preemption",
     "PREEMPTED_EXIT_CODE": "keras_mirror_kit.multi_worker",
     "count_training_flops": "keras_mirror_kit.throughput.flops",
+    "ReplicaCheck": "keras_mirror_kit.replica_check.record",
+    "check_replicas": "keras_mirror_kit.replica_check.runner",
 }
 
 __all__ = [
@@ -114,12 +119,14 @@ __all__ = [
     "Distribution",
     "PREEMPTED_EXIT_CODE",
     "Preempted",
+    "ReplicaCheck",
     "ReplicaDivergenceError",
     "StaleLockWarning",
     "SyncedCheckpoint",
     "ThroughputMeter",
     "ThroughputMonitor",
     "WarmupSchedule",
+    "check_replicas",
     "count_training_flops",
     "current",
     "cursor_of",

@@ -2,9 +2,10 @@
 
 A file is written to a hidden temporary file in the same directory, flushed and fsync'ed,
 moved into place with `os.replace`, then the directory is fsync'ed. A failure removes the
-temporary file and leaves the destination untouched. (Creating a file only where none
-exists, as the checkpoint lock and the CIFAR-10 download do, uses a hard link instead, in
-their modules.)
+temporary file and leaves the destination untouched. `create_if_absent` creates a file
+only where none of that name exists (the checkpoint directory's lock): written to a
+temporary file, then hard-linked into place, which fails where a file exists, so a reader
+never sees half a file.
 
 `atomic_write(..., direct=True)` (big files: checkpoints) writes the temporary file past
 the page cache where the platform and filesystem allow it (Linux `O_DIRECT`), through one
@@ -23,12 +24,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["atomic_path", "atomic_write", "atomic_write_bytes"]
+__all__ = [
+    "atomic_path",
+    "atomic_write",
+    "atomic_write_bytes",
+    "create_if_absent",
+    "link_if_absent",
+]
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux (and some BSDs); 0 elsewhere
 _BLOCK = 4096  # what O_DIRECT needs of addresses, lengths and offsets (a multiple of it)
 _DIRECT_BUFFER = 8 << 20
 _NO_DIRECT = {errno.EINVAL, getattr(errno, "EOPNOTSUPP", -1), getattr(errno, "ENOTSUP", -1)}
+# What os.link raises on a filesystem without hard links (some network filesystems).
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
 
 
 class _DirectWriter:
@@ -173,3 +182,56 @@ def atomic_path(path: Path) -> Iterator[Path]:
         with contextlib.suppress(OSError):
             tmp.unlink()
     _fsync_dir(path.parent)
+
+
+def link_if_absent(source: Path, path: Path) -> bool:
+    """Hard-links `source` at `path` unless a file is there; False when one is.
+
+    False also when `source` has vanished (another process removed it as an orphaned
+    temporary file): the caller looks again.
+
+    Raises:
+        OSError: Any other failure, also a filesystem without hard links (errno `EPERM`,
+            `ENOTSUP`, `EOPNOTSUPP` or `EXDEV`).
+    """
+    try:
+        os.link(source, path)
+    except (FileExistsError, FileNotFoundError):
+        return False
+    return True
+
+
+def create_if_absent(path: Path, data: bytes) -> bool:
+    """Creates `path` holding `data` unless a file of that name exists; False when one does.
+
+    The data goes to a hidden temporary file, fsync'ed, then hard-linked into place: the
+    link fails where a file exists, and a reader never sees a half-written file. Where the
+    filesystem has no hard links, an exclusive create (`O_EXCL`) is written instead. False
+    also when the temporary file was removed by another process meanwhile (look again).
+
+    Raises:
+        OSError: If the file cannot be written; the temporary file is removed.
+    """
+    tmp = path.with_name(f".{path.name}.{os.urandom(4).hex()}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            return link_if_absent(tmp, path)
+        except OSError as err:
+            if err.errno not in _NO_LINKS:
+                raise
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        return True
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()

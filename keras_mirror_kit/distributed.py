@@ -22,15 +22,7 @@ from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
 from typing import Any, Generic, ParamSpec, TypeVar
 
-import keras
-import tensorflow as tf
-
-from keras_mirror_kit.devices import (
-    configure_from_environment,
-    mirrored_strategy,
-    replica_devices,
-    warn_if_gpus_unused,
-)
+from keras_mirror_kit import backends
 from keras_mirror_kit.distribution import Distribution, activate
 from keras_mirror_kit.model_setup import ModelOptions, prepare_model
 from keras_mirror_kit.precision import policy_scope, validate_policy
@@ -46,7 +38,11 @@ logger = logging.getLogger("keras_mirror_kit")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-STRATEGIES = ("auto", "mirrored", "multi_worker")
+# How each backend's own data-parallel object is named in messages.
+_OWN_OBJECT = {
+    "tensorflow": "a tf.distribute.Strategy",
+    "jax": "a keras.distribution.Distribution",
+}
 # steps_per_execution="auto": enough steps per call to amortise Keras' per-step Python
 # overhead (benchmarks/knobs.py), few enough that batch-level callbacks stay responsive.
 AUTO_STEPS_PER_EXECUTION = 8
@@ -70,21 +66,31 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
       block but compiled after it trains distributed but without the checks (the kit's
       callbacks log a warning).
 
-    The strategy is a `tf.distribute.MirroredStrategy` over all visible GPUs, or over the
-    logical CPUs when there is no GPU (one, unless `simulate_replicas` configured more).
-    One INFO log line on the `keras_mirror_kit` logger says what was chosen.
+    On Keras' TensorFlow backend the strategy is a `tf.distribute.MirroredStrategy` over all
+    visible GPUs, or over the logical CPUs when there is no GPU (one, unless
+    `simulate_replicas` configured more), or `MultiWorkerMirroredStrategy` for a cluster. On
+    its JAX backend it is a `keras.distribution.DataParallel` over this process's GPUs, else
+    its CPU devices (`simulate_replicas` makes more); the model's `fit`, `evaluate` and
+    `predict` run under it. One INFO log line on the `keras_mirror_kit` logger says what was
+    chosen. What has no meaning on JAX (`cross_device_ops`, a multi-worker cluster) is
+    refused there before any step.
 
     Args:
         per_replica_batch_size: Samples per replica per step. Give this or
             `global_batch_size`, not both.
         global_batch_size: Samples per step over all replicas; must divide evenly by the
             number of replicas.
-        devices: Device names to use (default: all GPUs, else the CPUs).
+        devices: Device names to use (default: all GPUs, else the CPUs): TensorFlow's
+            (`"/gpu:0"`) or, on JAX, also what `keras.distribution.list_devices()` returns
+            (`"gpu:0"`, `"cpu:0"`).
         cross_device_ops: `"auto"`, `"nccl"`, `"hierarchical_copy"`,
-            `"reduction_to_one_device"`, or a `tf.distribute.CrossDeviceOps`.
-        strategy: `"auto"` (MultiWorkerMirroredStrategy when `TF_CONFIG` describes more than
-            one worker or a `cluster_resolver` is given, else MirroredStrategy),
-            `"mirrored"`, `"multi_worker"`, or a `tf.distribute.Strategy` you built yourself.
+            `"reduction_to_one_device"`, or a `tf.distribute.CrossDeviceOps` (TensorFlow;
+            only `"auto"` on JAX).
+        strategy: `"auto"` (TensorFlow: MultiWorkerMirroredStrategy when `TF_CONFIG`
+            describes more than one worker or a `cluster_resolver` is given, else
+            MirroredStrategy; JAX: DataParallel), `"mirrored"`, `"multi_worker"`, or a
+            `tf.distribute.Strategy` you built yourself (JAX: `"data_parallel"` or a
+            `keras.distribution.Distribution`).
         cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver` (for example
             `SlurmClusterResolver()`) for a multi-worker run; implies `"multi_worker"`.
         sync_batch_norm: Make every `BatchNormalization` of the model compute its batch
@@ -107,7 +113,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         lr_scaling_rule: Default rule of `Distribution.scale_learning_rate`.
 
     Raises:
-        RuntimeError: If Keras runs on another backend than TensorFlow.
+        RuntimeError: If Keras runs on another backend than TensorFlow or JAX.
         TypeError: On a wrong argument type, or when the factory returns no `keras.Model`.
         ValueError: On both or neither batch size, a non-positive or indivisible batch
             size, a non-positive `gradient_accumulation_steps`, unknown devices, rule or
@@ -139,8 +145,8 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         *,
         global_batch_size: int | None = None,
         devices: Sequence[str] | None = None,
-        cross_device_ops: str | tf.distribute.CrossDeviceOps = "auto",
-        strategy: str | tf.distribute.Strategy = "auto",
+        cross_device_ops: Any = "auto",
+        strategy: Any = "auto",
         lr_scaling_rule: str = DEFAULT_RULE,
         cluster_resolver: Any = None,
         sync_batch_norm: bool = False,
@@ -148,7 +154,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         steps_per_execution: int | str | None = None,
         gradient_accumulation_steps: int = 1,
     ) -> None:
-        check_backend()
+        backend = backends.current()  # RuntimeError on a backend the kit cannot distribute on
         if per_replica_batch_size is None and global_batch_size is None:
             raise ValueError(
                 "distributed() needs a batch size: pass `per_replica_batch_size` (samples "
@@ -165,12 +171,15 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             positive_int("per_replica_batch_size", per_replica_batch_size)
         if global_batch_size is not None:
             positive_int("global_batch_size", global_batch_size)
-        if not isinstance(strategy, tf.distribute.Strategy) and strategy not in STRATEGIES:
+        ready_made = backend.is_own_object(strategy)
+        if not ready_made and strategy not in backend.STRATEGIES:
             raise ValueError(
-                f"Unknown `strategy`. Expected one of {', '.join(map(repr, STRATEGIES))} or a "
-                f"tf.distribute.Strategy. Received: strategy={strategy!r}"
+                "Unknown `strategy`. Expected one of "
+                f"{', '.join(map(repr, backend.STRATEGIES))} or the backend's own object "
+                f"({_OWN_OBJECT[backend.NAME]}). "
+                f"Received: strategy={strategy!r}"
             )
-        if isinstance(strategy, tf.distribute.Strategy) and devices is not None:
+        if ready_made and devices is not None:
             raise ValueError(
                 "`devices` cannot be combined with a ready-made `strategy` (its devices are "
                 f"fixed). Received: devices={devices!r}"
@@ -218,38 +227,23 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             return self._distribution
 
     def _create(self) -> Distribution:
-        configure_from_environment()
-        if isinstance(self._strategy_arg, tf.distribute.Strategy):
-            strategy = self._strategy_arg
-            ops_name = type(getattr(strategy.extended, "_cross_device_ops", None)).__name__
-        elif self._wants_multi_worker():
-            from keras_mirror_kit.multi_worker import cluster
-
-            if self._devices is not None:  # MultiWorkerMirroredStrategy takes no device list
-                raise ValueError(
-                    "`devices` cannot be used with a multi-worker strategy: each worker "
-                    "trains on all the GPUs it sees (or its CPU). Choose a worker's devices "
-                    "with CUDA_VISIBLE_DEVICES (`keras-mirror-kit launch --gpus-per-worker "
-                    "K` sets it per worker), or drop TF_CONFIG/strategy='multi_worker' for "
-                    f"one process. Received: devices={self._devices!r}"
-                )
-            strategy, ops_name = cluster.create_strategy(
-                cluster_resolver=self._cluster_resolver,
-                cross_device_ops=self._cross_device_ops,
-            )
-        else:
-            devices = replica_devices(self._devices)
-            strategy, ops_name = mirrored_strategy(devices, self._cross_device_ops)
-        warn_if_gpus_unused()  # a CUDA build that found no GPU on a GPU machine
-        replicas = int(strategy.num_replicas_in_sync)
+        backends.configure_from_environment()
+        engine = backends.current().create_engine(
+            devices=self._devices,
+            cross_device_ops=self._cross_device_ops,
+            strategy=self._strategy_arg,
+            cluster_resolver=self._cluster_resolver,
+            multi_worker=self._wants_multi_worker(),
+        )
+        replicas = engine.num_replicas
         if self._global_batch_size is not None:
             per_replica = split_global_batch(self._global_batch_size, replicas)
         else:
             per_replica = int(self._per_replica_batch_size)  # type: ignore[arg-type]
         dist = Distribution(
-            strategy,
+            engine.strategy,
             per_replica,
-            ops_name,
+            engine.cross_device_ops,
             self._lr_scaling_rule,
             gradient_accumulation_steps=self._accumulation,
         )
@@ -257,9 +251,11 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         return dist
 
     def _wants_multi_worker(self) -> bool:
-        if self._strategy_arg == "multi_worker" or self._cluster_resolver is not None:
+        if isinstance(self._strategy_arg, str) and self._strategy_arg == "multi_worker":
             return True
-        if self._strategy_arg != "auto":
+        if self._cluster_resolver is not None:
+            return True
+        if not isinstance(self._strategy_arg, str) or self._strategy_arg != "auto":
             return False
         from keras_mirror_kit.multi_worker import cluster
 
@@ -344,14 +340,6 @@ class DistributedFactory(Generic[P, R]):
         return f"<distributed factory {getattr(self._factory, '__qualname__', self._factory)!r}>"
 
 
-def check_backend() -> None:
-    """Raises a `RuntimeError` saying how to select TensorFlow unless Keras runs on it."""
-    backend = keras.backend.backend()
-    if backend != "tensorflow":
-        raise RuntimeError(
-            "keras-mirror-kit distributes training with tf.distribute, which needs Keras' "
-            f"TensorFlow backend, but Keras runs on the {backend!r} backend. Select "
-            "TensorFlow before Keras is imported: set the environment variable "
-            'KERAS_BACKEND=tensorflow, or "backend": "tensorflow" in ~/.keras/keras.json. '
-            f"Received: keras.backend.backend()={backend!r}"
-        )
+def check_backend() -> str:
+    """The Keras backend's name, or a `RuntimeError` unless it is TensorFlow or JAX."""
+    return backends.check_supported()

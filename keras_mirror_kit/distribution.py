@@ -1,12 +1,14 @@
 """The `Distribution`: what `distributed()` chose, and how to reach it.
 
 A `Distribution` is the kit's read-only description of one data-parallel setup: the
-`tf.distribute.Strategy`, its devices and replica count, the per-replica and global batch
-sizes, the gradient accumulation steps and the effective batch size (samples per optimizer
-update), and the learning-rate scaling rule. `distributed()` creates it; everything above the
-core (callbacks, integrations, the command line) reads it from here, either through
-`current()` while a factory or `with` block runs, or through `distribution_of(model)`
-(`keras_mirror_kit.model_record`) for a model the kit built.
+backend's data-parallel object (a `tf.distribute.Strategy` on TensorFlow, a
+`keras.distribution.DataParallel` on JAX; `keras_mirror_kit.backends`), its devices and
+replica count, the per-replica and global batch sizes, the gradient accumulation steps and
+the effective batch size (samples per optimizer update), and the learning-rate scaling
+rule. `distributed()` creates it; everything above the core (callbacks, integrations, the
+command line) reads it from here, either through `current()` while a factory or `with`
+block runs, or through `distribution_of(model)` (`keras_mirror_kit.model_record`) for a
+model the kit built.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import tensorflow as tf
-
+from keras_mirror_kit import backends
 from keras_mirror_kit.scaling import DEFAULT_RULE, scale_learning_rate, validate_rule
 from keras_mirror_kit.validation import positive_int
 
@@ -32,10 +33,12 @@ class Distribution:
     `.distribution` attribute, or from the value bound by `with kmk.distributed(...) as dist`.
 
     Args:
-        strategy: The `tf.distribute.Strategy` the model is built under.
+        strategy: What the model is built under: a `tf.distribute.Strategy` on the
+            TensorFlow backend, a `keras.distribution.DataParallel` on the JAX backend.
         per_replica_batch_size: Samples each replica processes per step.
         cross_device_ops: Name of the all-reduce implementation in use (for example
-            `"nccl"`, `"hierarchical_copy"`, `"reduction_to_one_device"` or `"collective"`).
+            `"nccl"`, `"hierarchical_copy"`, `"reduction_to_one_device"` or `"collective"`;
+            `"xla-spmd"` on JAX, where XLA's SPMD program does the reduction).
         lr_scaling_rule: Default rule for `scale_learning_rate` (`"linear"`, `"sqrt"` or
             `"none"`).
         gradient_accumulation_steps: Micro-batches (training steps) whose gradients make
@@ -59,7 +62,7 @@ class Distribution:
 
     def __init__(
         self,
-        strategy: tf.distribute.Strategy,
+        strategy: Any,
         per_replica_batch_size: int,
         cross_device_ops: str,
         lr_scaling_rule: str = DEFAULT_RULE,
@@ -69,7 +72,8 @@ class Distribution:
         self._accumulation = positive_int(
             "gradient_accumulation_steps", gradient_accumulation_steps
         )
-        self._strategy = strategy
+        self._backend = backends.check_supported()
+        self._engine = backends.engine_for(strategy, cross_device_ops)
         self._per_replica_batch_size = per_replica_batch_size
         self._cross_device_ops = cross_device_ops
         self._lr_scaling_rule = validate_rule(lr_scaling_rule)
@@ -77,26 +81,35 @@ class Distribution:
         _ALL_DISTRIBUTIONS.add(self)
 
     @property
-    def strategy(self) -> tf.distribute.Strategy:
-        """The `tf.distribute.Strategy` models are built under."""
-        return self._strategy
+    def strategy(self) -> Any:
+        """What models are built under: the `tf.distribute.Strategy` (TensorFlow backend) or
+        the `keras.distribution.DataParallel` (JAX backend)."""
+        return self._engine.strategy
+
+    @property
+    def backend(self) -> str:
+        """The Keras backend this distribution runs on: `"tensorflow"` or `"jax"`."""
+        return self._backend
+
+    @property
+    def engine(self) -> backends.Engine:
+        """The backend's data-parallel object behind the kit's engine interface."""
+        return self._engine
 
     @property
     def strategy_name(self) -> str:
-        """The strategy's public class name, e.g. `"MirroredStrategy"`."""
-        if isinstance(self._strategy, tf.distribute.MultiWorkerMirroredStrategy):
-            return "MultiWorkerMirroredStrategy"  # not TF's internal CollectiveAllReduce...
-        return type(self._strategy).__name__
+        """The strategy's public class name, e.g. `"MirroredStrategy"` or `"DataParallel"`."""
+        return self._engine.strategy_name
 
     @property
     def num_replicas(self) -> int:
         """Replicas in sync across all workers (`strategy.num_replicas_in_sync`)."""
-        return int(self._strategy.num_replicas_in_sync)
+        return self._engine.num_replicas
 
     @property
     def devices(self) -> tuple[str, ...]:
         """The devices of this process that hold a replica."""
-        return tuple(self._strategy.extended.worker_devices)
+        return self._engine.devices
 
     @property
     def num_workers(self) -> int:
@@ -141,10 +154,11 @@ class Distribution:
     def is_chief(self) -> bool:
         """Whether this process should write checkpoints, logs and other side effects.
 
-        Decided by the strategy (`strategy.extended.should_checkpoint`), which is right in
-        every cluster shape, including one with an explicit `chief` job.
+        Decided by the strategy (`strategy.extended.should_checkpoint` on TensorFlow, which
+        is right in every cluster shape, including one with an explicit `chief` job; process
+        0 on JAX).
         """
-        return bool(getattr(self._strategy.extended, "should_checkpoint", True))
+        return self._engine.is_chief
 
     def scale_learning_rate(
         self,
@@ -274,18 +288,18 @@ def _stack() -> list[Distribution]:
 @contextmanager
 def activate(distribution: Distribution) -> Iterator[Distribution]:
     """Makes `distribution` the one `current()` returns, inside its strategy's scope."""
-    if tf.distribute.has_strategy() and tf.distribute.get_strategy() is not distribution.strategy:
+    other = distribution.engine.active_elsewhere()
+    if other is not None:
         raise RuntimeError(
             "A distributed() factory or block was entered inside the scope of another "
-            "tf.distribute strategy; TensorFlow cannot mix strategies. Build each model "
-            "under one distributed() at a time. "
-            f"Received: active={tf.distribute.get_strategy()!r}, "
-            f"new={distribution.strategy!r}"
+            "data-parallel strategy, and the backend cannot mix strategies. Build each "
+            "model under one distributed() at a time. "
+            f"Received: active={other!r}, new={distribution.strategy!r}"
         )
     stack = _stack()
     stack.append(distribution)
     try:
-        with distribution.strategy.scope():
+        with distribution.engine.scope():
             yield distribution
     finally:
         stack.pop()

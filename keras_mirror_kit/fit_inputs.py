@@ -224,6 +224,41 @@ def _check_worker_part(x: Any, dist: Distribution, method: str, argument: str) -
             f"Received: {argument}={type(x).__name__}"
         )
 
+def check_even_batches(given: dict[str, Any], dist: Distribution, method: str) -> None:
+    """For a backend that shards each batch over the devices (JAX): every batch of the call's
+    data must split evenly, where that is known before any step (arrays, kit datasets)."""
+    n = dist.num_replicas
+    if n <= 1:
+        return
+    batch_size = given.get("batch_size") or dist.global_batch_size
+    slots = [("x", batch_size)]
+    if method == "fit":
+        slots.append(("validation_data", given.get("validation_batch_size") or batch_size))
+    for argument, size in slots:
+        data = given.get(argument)
+        if argument == "validation_data" and isinstance(data, (tuple, list)) and data:
+            data = data[0]
+        if is_array_data(data):
+            samples = _num_samples(data)
+            if argument == "x" and given.get("validation_split"):
+                samples = int(math.floor(samples * (1.0 - given["validation_split"])))
+            last = samples % int(size) if samples >= int(size) else samples
+        else:
+            info = _find(data, _KEEPS_EPOCH)[0]
+            if info is None:
+                continue
+            last = info.epoch_samples % info.batch_size
+        if last % n:
+            raise ValueError(
+                f"{method}() on the {dist.backend} backend shards every batch over the "
+                f"{n} devices, but the last batch of `{argument}` holds {last} samples, which "
+                f"do not split evenly over {n}. Use a number of samples (or a batch size) "
+                f"that leaves a remainder divisible by {n}, or drop the last partial batch "
+                "(make_dataset(..., drop_remainder=True)); on the TensorFlow backend a last "
+                f"batch of any size is evaluated. Received: {argument} with a last batch of "
+                f"{last}"
+            )
+
 
 def check_input(x: Any, dist: Distribution, method: str, argument: str = "x") -> None:
     """Checks data given to `fit`, `evaluate` or `predict` of a model built under `dist`.

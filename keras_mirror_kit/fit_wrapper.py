@@ -13,8 +13,10 @@
 * key the order of a kit dataset's epoch on Keras' epoch number (`EpochOrder`), so epoch
   `e` sees the order of epoch `e` whatever else iterated the dataset before (Keras' own
   first-batch build, a peek, an `evaluate`) and whichever callbacks are listed;
-* feed the replicas a `make_dataset` dataset in its stored dtype when its `preprocess` runs
-  on the replicas (`keras_mirror_kit.replica_preprocess`).
+* run the call the backend's way (`keras_mirror_kit.backends`): on TensorFlow, feeding the
+  replicas a `make_dataset` dataset in its stored dtype when its `preprocess` runs on the
+  replicas (`keras_mirror_kit.replica_preprocess`) and refusing XLA over several replicas;
+  on JAX, under the model's `DataParallel` distribution.
 
 Callbacks take part through `FitHooks`, the one declaration of what such a `fit` calls
 besides Keras' own hooks.
@@ -32,18 +34,18 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit import replica_preprocess
+from keras_mirror_kit import backends
 from keras_mirror_kit.data.cursor import DatasetCursor
 from keras_mirror_kit.distribution import Distribution
 from keras_mirror_kit.fit_inputs import (
     BatchPlan,
+    check_even_batches,
     check_input,
     dataset_cursor,
     is_array_data,
     plan_batches,
 )
 from keras_mirror_kit.model_record import record_of
-from keras_mirror_kit.workarounds import keras_jit_replicas
 from keras_mirror_kit.workarounds.keras_epoch_rounding import check_step_arguments
 
 __all__ = [
@@ -170,6 +172,7 @@ def install(model: Any, dist: Distribution) -> None:
     """Installs the checking `fit`, `evaluate` and `predict` wrappers on this instance."""
     record = record_of(model)
     assert record is not None, "register_model() runs before install()"
+    backend = backends.current()
     for method_name, steps_args, data_args in _METHODS:
         original = getattr(model, method_name)
         signature = inspect.signature(original)
@@ -188,13 +191,14 @@ def install(model: Any, dist: Distribution) -> None:
             for argument in _data:
                 check_input(given.get(argument), dist, _method, argument)
             check_step_arguments(model, **{name: given.get(name) for name in _steps})
-            keras_jit_replicas.check(model, len(dist.devices), f"{_method}()")
             if is_array_data(given.get("x")) and not given.get("batch_size"):
                 given["batch_size"] = dist.global_batch_size  # not Keras' default of 32
             if "callbacks" in given:
                 given["callbacks"] = order_callbacks(given["callbacks"])
+            if backend.SHARDS_EACH_BATCH:
+                check_even_batches(given, dist, _method)
             if _method != "fit":
-                with replica_preprocess.applied(model, _method, given):  # after the checks
+                with backend.call(model, dist.engine, _method, given):  # after the checks
                     return _original(*bound.args, **bound.kwargs)
             if "shuffle" not in given and _orders_itself(given.get("x")):
                 given["shuffle"] = False  # Keras would warn that it ignores shuffle=True
@@ -210,7 +214,7 @@ def install(model: Any, dist: Distribution) -> None:
             )
             previous, record.batch_plan = record.batch_plan, plan
             try:
-                with replica_preprocess.applied(model, _method, given):  # after the checks
+                with backend.call(model, dist.engine, _method, given):  # after the checks
                     return _original(*bound.args, **bound.kwargs)
             except BaseException as exception:  # Ctrl-C too: Keras' fit has no finally
                 notify_fit_exception(callbacks, exception)
@@ -219,4 +223,3 @@ def install(model: Any, dist: Distribution) -> None:
                 record.batch_plan = previous
 
         object.__setattr__(model, method_name, functools.wraps(original)(wrapper))
-    replica_preprocess.install(model)  # make_dataset's preprocess on the replicas

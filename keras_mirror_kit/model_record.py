@@ -12,10 +12,18 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from keras_mirror_kit import backends
 from keras_mirror_kit.distribution import Distribution, distributions_alive
 from keras_mirror_kit.fit_inputs import BatchPlan
 
-__all__ = ["ModelRecord", "distribution_of", "is_chief", "record_of", "register_model"]
+__all__ = [
+    "ModelRecord",
+    "distribution_of",
+    "engine_of",
+    "is_chief",
+    "record_of",
+    "register_model",
+]
 
 
 @dataclass(eq=False)
@@ -76,14 +84,18 @@ def distribution_of(model: Any) -> Distribution | None:
     return next((d for d in distributions_alive() if d.strategy is strategy), None)
 
 
+def engine_of(model: Any) -> backends.Engine:
+    """The engine `model` trains under: its `Distribution`'s, else the backend's default."""
+    dist = distribution_of(model)
+    if dist is not None:
+        return dist.engine
+    return backends.current().engine_of_model(model)
+
+
 def is_chief(model: Any) -> bool:
     """Whether this process writes checkpoints and logs for `model` (True on one process).
 
     The `Distribution` that built the model decides; for another model, its strategy's
     `extended.should_checkpoint`.
     """
-    dist = distribution_of(model)
-    if dist is not None:
-        return dist.is_chief
-    strategy = getattr(model, "distribute_strategy", None)
-    return bool(getattr(getattr(strategy, "extended", None), "should_checkpoint", True))
+    return engine_of(model).is_chief

@@ -9,6 +9,8 @@ A model returned by a decorated factory, or compiled inside `with kmk.distribute
   kit's callbacks find its distribution;
 * given the distribution's knobs: float32 outputs under mixed precision, synchronized
   BatchNormalization, `steps_per_execution`, gradient accumulation;
+* given an optimizer that trains on N replicas as on one: gradient clipping of the
+  all-reduced gradient, a working `use_ema=True` overwrite;
 * given the checking `fit`, `evaluate` and `predict` of `keras_mirror_kit.fit_wrapper`, and
   the workarounds a model under a strategy needs (`keras_mirror_kit.workarounds`).
 """
@@ -21,21 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
-import tensorflow as tf
 
-from keras_mirror_kit import fit_wrapper
-from keras_mirror_kit.batch_norm import synchronize_batch_norm
+from keras_mirror_kit import backends, fit_wrapper
 from keras_mirror_kit.distribution import Distribution, activate
 from keras_mirror_kit.model_record import record_of, register_model
 from keras_mirror_kit.precision import keep_outputs_float32
 from keras_mirror_kit.schedules import check_accumulation
-from keras_mirror_kit.workarounds import (
-    keras_grad_accumulation,
-    keras_jit_replicas,
-    keras_loss_scale,
-    keras_uneven_first_batch,
-    tf_data_iterator_stall,
-)
+from keras_mirror_kit.workarounds import keras_grad_accumulation
 
 __all__ = ["ModelOptions", "check_model", "is_prepared", "prepare_model"]
 
@@ -49,13 +43,6 @@ class ModelOptions:
     mixed_precision: str | None = None  # "mixed_float16", "mixed_bfloat16" or None
     sync_batch_norm: bool = False  # BatchNormalization layers get synchronized statistics
     steps_per_execution: int | None = None  # None: left as `compile()` set it
-
-
-def _strategy_of_variable(variable: Any) -> tf.distribute.Strategy | None:
-    value = getattr(variable, "value", variable)
-    if isinstance(value, tf.distribute.DistributedValues):
-        return value._distribute_strategy  # noqa: SLF001
-    return None
 
 
 def check_model(
@@ -74,35 +61,7 @@ def check_model(
             f"The factory `{factory_name}` decorated with @kmk.distributed must return a "
             f"keras.Model. Received: {type(model).__name__} ({model!r:.80})"
         )
-    strategy = dist.strategy
-    if getattr(model, "_distribute_strategy", None) is not strategy:
-        raise ValueError(
-            f"The model {origin} was created outside the strategy's scope, so it would "
-            "silently train on one device. Create the model inside the decorated "
-            "factory (or inside `with kmk.distributed(...)`), not before it. "
-            f"Received: model={model.name!r}"
-        )
-    if dist.num_replicas > 1 or isinstance(strategy, tf.distribute.MirroredStrategy):
-        outside = [v.path for v in model.variables if _strategy_of_variable(v) is not strategy]
-        if outside:
-            raise ValueError(
-                f"{len(outside)} variable(s) of the model {origin} were created outside the "
-                "strategy's scope (for example a layer built before the factory "
-                "or block ran). Create and build every layer inside the decorated factory "
-                "or the `with` block. "
-                f"Received: variables={outside[:5]}{' ...' if len(outside) > 5 else ''}"
-            )
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
-        opt_strategy = getattr(optimizer, "_distribution_strategy", strategy)
-        if opt_strategy is not strategy:
-            raise ValueError(
-                f"The optimizer of the model {origin} was created outside the strategy's "
-                "scope; its updates would not be mirrored. Create the optimizer "
-                "inside the decorated factory or the `with` block, e.g. "
-                "`model.compile(optimizer=keras.optimizers.Adam(lr), ...)` there. "
-                f"Received: optimizer={type(optimizer).__name__}"
-            )
+    backends.current().check_placement(model, dist.engine, origin)
 
 
 def _apply_steps_per_execution(model: Any, steps: int | None, name: str) -> None:
@@ -144,7 +103,6 @@ def _apply_gradient_accumulation(model: Any, steps: int, name: str) -> None:
             )
         optimizer.gradient_accumulation_steps = steps  # Keras' own mechanism (and config)
     check_accumulation(optimizer._learning_rate, steps, name)  # noqa: SLF001
-    keras_grad_accumulation.apply(optimizer)  # runs under the strategy: see that module
 
 
 def _compile_inside_scope(model: keras.Model, dist: Distribution, options: ModelOptions) -> None:
@@ -168,8 +126,7 @@ def _apply_compile_settings(
     """What a compiled model gets from `distributed()`, and what its compile may not ask."""
     _apply_steps_per_execution(model, options.steps_per_execution, name)
     _apply_gradient_accumulation(model, dist.gradient_accumulation_steps, name)
-    keras_jit_replicas.check(model, len(dist.devices), name)
-    keras_jit_replicas.note_auto(model, has_gpus=any("GPU" in d.upper() for d in dist.devices))
+    backends.current().after_compile(model, dist.engine, name)
 
 
 def is_prepared(model: Any) -> bool:
@@ -189,25 +146,26 @@ def prepare_model(
 
     Raises `TypeError` for anything but a `keras.Model`, and `ValueError` for a model built
     outside the strategy's scope, compiled with another `steps_per_execution` or an optimizer
-    with another `gradient_accumulation_steps` than `distributed()` asks for, or using float16
-    loss scaling on several replicas where the kit cannot make the replicas agree
-    (`keras_mirror_kit.workarounds.keras_loss_scale`). Preparing twice re-checks and re-applies
-    the knobs but installs the wrappers once.
+    with another `gradient_accumulation_steps` than `distributed()` asks for, compiled with
+    `jit_compile=True` on several replicas, or using float16 loss scaling, gradient clipping on
+    several replicas, or `use_ema=True` with `ema_overwrite_frequency` on a Keras version whose
+    bug the kit does not correct (`keras_mirror_kit.workarounds`). Preparing twice re-checks
+    and re-applies the knobs but installs the wrappers once.
     """
     check_model(model, dist, factory_name=name, origin=origin)
     record = register_model(model, dist)
     if options.mixed_precision:
         keep_outputs_float32(model)
+    backend = backends.current()
     if options.sync_batch_norm:
-        synchronize_batch_norm(model)
+        backend.sync_batch_norm(model)
     if model.compiled:
         _apply_compile_settings(model, dist, options, name)
     elif not record.prepared:
         _compile_inside_scope(model, dist, options)
-    keras_loss_scale.apply(model, dist.strategy)  # float16: every replica agrees on overflow
+    backend.after_prepare(model, dist.engine)
     if record.prepared:
         return
     fit_wrapper.install(model, dist)
-    tf_data_iterator_stall.apply(model)  # no tf.data autotuning thread: see tf_data_iterator_stall
-    keras_uneven_first_batch.apply(model)  # evaluation on batches that split unevenly
+    backend.install(model)
     record.prepared = True

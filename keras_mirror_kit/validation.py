@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+from collections.abc import Sequence
 
 __all__ = [
     "check_bool",
+    "check_path",
+    "non_empty_str",
     "non_negative_int",
     "non_negative_number",
+    "one_of",
     "optional_positive_number",
     "positive_int",
+    "positive_int_or",
     "positive_number",
 ]
 
@@ -75,4 +81,49 @@ def check_bool(name: str, value: object) -> bool:
     """`value` if it is True or False (not merely truthy), else a `TypeError`."""
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return value
+
+
+def positive_int_or(name: str, value: object, word: str, unit: str = "") -> int | str:
+    """`word`, or `value` as an int if it is an integer >= 1 (`unit`: what it counts)."""
+    if isinstance(value, str) and value == word:
+        return word
+    what = f"{word!r} or a positive integer" + (f" number of {unit}" if unit else "")
+    if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral)):
+        raise TypeError(
+            f"`{name}` must be {what}. Received: {name}={value!r} (of type {type(value).__name__})"
+        )
+    if isinstance(value, str) or value < 1:
+        raise ValueError(f"`{name}` must be {what}. Received: {name}={value!r}")
+    return int(value)
+
+
+def non_empty_str(name: str, value: object, meaning: str = "a non-empty string") -> str:
+    """`value` if it is a non-empty string (`meaning`: what it must be, for the message)."""
+    if not isinstance(value, str):
+        raise TypeError(f"`{name}` must be {meaning}. Received: {name}={value!r}")
+    if not value:
+        raise ValueError(f"`{name}` must be {meaning}. Received: {name}={value!r}")
+    return value
+
+
+def one_of(name: str, value: object, choices: Sequence[str], note: str = "") -> str:
+    """`value` if it is one of the strings `choices` (`note` follows them in the message)."""
+    quoted = [repr(c) for c in choices]
+    listed = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+    message = f"`{name}` must be {listed}{' ' + note if note else ''}. Received: {name}={value!r}"
+    if not isinstance(value, str):
+        raise TypeError(message)
+    if value not in choices:
+        raise ValueError(message)
+    return value
+
+
+def check_path(name: str, value: object) -> str | os.PathLike[str]:
+    """`value` if it is a non-empty path (a str or an `os.PathLike`)."""
+    message = f"`{name}` must be a non-empty path (str or os.PathLike). Received: {name}={value!r}"
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(message)
+    if not str(value):
+        raise ValueError(message)
     return value

@@ -18,11 +18,11 @@ from typing import Any
 
 import keras
 
+from keras_mirror_kit import backends
 from keras_mirror_kit.distribution import Distribution, activate, known_replica_counts
 from keras_mirror_kit.model_record import distribution_of, record_of
 from keras_mirror_kit.model_setup import ModelOptions, prepare_model
 from keras_mirror_kit.precision import policy_scope
-from keras_mirror_kit.workarounds import tf_data_iterator_stall
 
 __all__ = ["block", "check_callback_model", "factory_running"]
 
@@ -99,7 +99,8 @@ def block(dist: Distribution, options: ModelOptions) -> Iterator[Distribution]:
     with ExitStack() as stack:  # a context that fails to enter closes those before it
         stack.enter_context(activate(dist))
         stack.enter_context(policy_scope(options.mixed_precision))
-        stack.enter_context(tf_data_iterator_stall.per_device_autotune_disabled())
+        for context in backends.current().block_contexts():
+            stack.enter_context(context)
         stack.enter_context(_compiled_models_prepared(dist, options))
         yield dist
 

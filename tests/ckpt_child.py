@@ -69,9 +69,9 @@ def main() -> int:
     import keras
     import numpy as np
 
-    from keras_mirror_kit import checkpoint_store
     from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
-    from keras_mirror_kit.callbacks.synced_checkpoint.preemption import Preempted
+    from keras_mirror_kit.checkpoint import store as checkpoint_store
+    from keras_mirror_kit.checkpoint.preemption import Preempted
     from tests.ckpt_helpers import build, dataset
 
     real_write = checkpoint_store.atomic_write

@@ -7,6 +7,7 @@ Usage: python -m tests.mw_child OUT_DIR [--epochs N] [--ckpt DIR] [--save-freq F
            [--spawn-grandchild] [--probe-upstream]
            [--tiny] [--mark-step K[,K...]] [--hold-last-step FILE]
            [--preemption-signals SIGTERM,SIGUSR1] [--accumulate N]
+           [--hold-after-strategy FILE]
 
 Trains the CIFAR-10 CNN on a little synthetic data with `kmk.distributed` and
 `kmk.make_dataset`, one process per worker (TF_CONFIG from the launcher) or a single
@@ -23,7 +24,9 @@ FILE is created lands in training. On
 `Preempted` (a save on a stop signal) OUT_DIR/preempted-<attempt>-<rank>.json says where it
 stopped, and the process exits with status 75. --accumulate N passes
 gradient_accumulation_steps=N to `kmk.distributed` and records how many micro-batches
-changed the weights (the optimizer's updates).
+changed the weights (the optimizer's updates). --hold-after-strategy FILE writes
+OUT_DIR/listening-<rank>.json (pid, the port of this task in TF_CONFIG) once the strategy
+exists (its TensorFlow server listens then), and waits until FILE exists.
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ def main() -> int:
     parser.add_argument("--hold-last-step")
     parser.add_argument("--preemption-signals", default="SIGTERM")
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--hold-after-strategy")
     args = parser.parse_args()
     rank = _rank()
     attempt = os.environ.get("KMK_LAUNCH_RESTART_COUNT", "0")
@@ -115,7 +119,7 @@ def main() -> int:
 
     import keras_mirror_kit as kmk
     from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
-    from keras_mirror_kit.callbacks.synced_checkpoint.preemption import Preempted
+    from keras_mirror_kit.checkpoint.preemption import Preempted
     from keras_mirror_kit.datasets import make_synthetic_cifar10
     from keras_mirror_kit.workarounds import keras_multi_worker_fit
 
@@ -150,6 +154,17 @@ def main() -> int:
         global_batch_size=dist.global_batch_size,
         workaround_status=keras_multi_worker_fit.status(),
     )
+
+    if args.hold_after_strategy:
+        config = json.loads(os.environ["TF_CONFIG"])
+        address = config["cluster"][config["task"]["type"]][config["task"]["index"]]
+        mark = os.path.join(args.out, f"listening-{rank}.json")
+        with open(mark + ".tmp", "w") as handle:
+            json.dump({"pid": os.getpid(), "port": int(address.rsplit(":", 1)[1])}, handle)
+        os.rename(mark + ".tmp", mark)
+        deadline = time.monotonic() + 300
+        while not os.path.exists(args.hold_after_strategy) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     if args.probe_upstream:
         # Keras unpatched: expect the upstream failure (a fixed Keras would train here).

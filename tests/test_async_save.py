@@ -12,9 +12,9 @@ import threading
 import keras
 import pytest
 
-from keras_mirror_kit import checkpoint_store
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
-from keras_mirror_kit.checkpoint_store import CheckpointStore, CheckpointWriteError
+from keras_mirror_kit.checkpoint import store as checkpoint_store
+from keras_mirror_kit.checkpoint.store import CheckpointStore, CheckpointWriteError
 from tests.ckpt_helpers import build, dataset, max_diff
 
 
@@ -79,14 +79,14 @@ def test_background_writes_hold_the_state_of_their_step_while_training_goes_on(
     assert not checkpoint._writer.pending  # noqa: SLF001  (fit waited for the last one)
 
     ours, theirs = CheckpointStore(tmp_path / "async"), CheckpointStore(tmp_path / "sync")
-    assert [e["file"] for e in ours.entries()] == [e["file"] for e in theirs.entries()]
+    assert [e.file for e in ours.entries()] == [e.file for e in theirs.entries()]
     assert len(started) == 6  # steps 2, 4, 6 (epoch end), 8, 10, 12 (epoch end)
     for (name, step_at_write), a, b in zip(started, ours.entries(), theirs.entries()):
         meta, values = _arrays(ours, a)
         sync_meta, sync_values = _arrays(theirs, b)
-        assert name == a["file"] and meta["global_step"] == sync_meta["global_step"]
-        if not steps.ended or meta["global_step"] < 12:
-            assert step_at_write > meta["global_step"]  # training had gone on
+        assert name == a.file and meta.global_step == sync_meta.global_step
+        if not steps.ended or meta.global_step < 12:
+            assert step_at_write > meta.global_step  # training had gone on
         assert max_diff(values, sync_values) <= 1e-6, name  # the state of its own step
 
 
@@ -153,7 +153,7 @@ def test_async_save_must_be_a_bool(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 def test_the_writer_thread_yields_the_cpu_to_training():
-    from keras_mirror_kit.callbacks.synced_checkpoint.background import (
+    from keras_mirror_kit.checkpoint.snapshot import (
         WRITER_NICE,
         BackgroundWriter,
     )
@@ -175,7 +175,7 @@ def test_the_writer_thread_yields_the_cpu_to_training():
 def test_snapshots_are_copied_into_staging_arrays_allocated_once_per_fit(tmp_path):
     """One host copy of the state, allocated at the start of fit, reused by every save (no
     fresh memory at a save), freed when fit returns; each file holds its own step's state."""
-    from keras_mirror_kit.callbacks.synced_checkpoint.state import state_variables
+    from keras_mirror_kit.checkpoint.state import state_variables
 
     model, ds = build("adam"), dataset()
     checkpoint = SyncedCheckpoint(tmp_path, save_freq=2, keep=100, dataset=ds, async_save=True)
@@ -193,7 +193,7 @@ def test_snapshots_are_copied_into_staging_arrays_allocated_once_per_fit(tmp_pat
     assert all(len(a) == len(first) and all(x is y for x, y in zip(a, first)) for _, a in seen)
     assert checkpoint._staging.nbytes == 0  # noqa: SLF001  (freed after fit)
     store = CheckpointStore(tmp_path)
-    steps = [store.read(e).meta["global_step"] for e in store.entries()]
+    steps = [store.read(e).meta.global_step for e in store.entries()]
     assert len(steps) >= 4 and steps == sorted(set(steps))  # distinct states, in order
     _, last = _arrays(store, store.entries()[-1])
     assert max_diff(last, [v.numpy() for _, v in state_variables(model)]) == 0.0
@@ -203,7 +203,7 @@ def test_host_staging_reuses_its_arrays_and_follows_shape_changes():
     import numpy as np
     import tensorflow as tf
 
-    from keras_mirror_kit.callbacks.synced_checkpoint.snapshot import HostStaging
+    from keras_mirror_kit.checkpoint.snapshot import HostStaging
 
     staging = HostStaging()
     variables = [("model", keras.Variable(np.ones((3, 4), "float32"))),

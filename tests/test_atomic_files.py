@@ -88,3 +88,21 @@ def test_a_filesystem_refusing_o_direct_gets_an_ordinary_write(tmp_path, monkeyp
     assert refused[0] == "open"
     if os.path.exists("/proc/self/fd"):
         assert refused[1:] == ["write"]  # once: then the descriptor writes through the cache
+
+
+def test_create_if_absent_creates_once_and_never_replaces(tmp_path):
+    """The checkpoint lock's exclusive create: a file appears whole or not at all."""
+    path = tmp_path / "writer.lock"
+    assert atomic_files.create_if_absent(path, b"first") is True
+    assert atomic_files.create_if_absent(path, b"second") is False  # one exists: kept
+    assert path.read_bytes() == b"first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["writer.lock"]  # no temporary left
+    # Linking a file into place likewise never replaces one.
+    other = tmp_path / "other"
+    other.write_bytes(b"other")
+    assert atomic_files.link_if_absent(other, path) is False and path.read_bytes() == b"first"
+    assert atomic_files.link_if_absent(other, tmp_path / "new") is True
+    assert (tmp_path / "new").read_bytes() == b"other"
+    assert atomic_files.link_if_absent(tmp_path / "gone", tmp_path / "x") is False
+    with pytest.raises(OSError):  # not writable here: the caller says so
+        atomic_files.create_if_absent(tmp_path / "no-dir" / "writer.lock", b"x")

@@ -63,7 +63,7 @@ ATTEMPTS: list[FitAttempt] = []
 
 def fit(model, callbacks=(), data=None, **kwargs):
     """The fit a case expects to fail: recorded, and its steps counted."""
-    data = data if data is not None else kmk.make_dataset(X, Y, 16, seed=0, num_replicas=2)
+    data = data if data is not None else kmk.make_dataset(X, Y, 16, seed=0)
     steps = Steps()
     ATTEMPTS.append(FitAttempt(model, steps))
     model.fit(data, epochs=1, verbose=0, callbacks=[*callbacks, steps], **kwargs)
@@ -432,10 +432,11 @@ CASES = [
         "same first dimension",
     ),
     Case(
-        "partial batch that leaves a replica empty",
-        lambda: kmk.make_dataset(X[:17], Y[:17], 8, shuffle=False, num_replicas=2),
+        "training on a last batch that leaves a replica empty",
+        lambda: fit(kit_model(), data=kmk.make_dataset(X[:17], Y[:17], 16, shuffle=False)),
         ValueError,
         "does not split evenly over 2 replicas",
+        fits=True,
     ),
     Case(
         "ThroughputMonitor on a non-kit model without a batch size",
@@ -569,10 +570,10 @@ CASES = [
         "steps=3 is not a multiple",
     ),
     ChildCase(
-        "Keras on another backend than TensorFlow",
+        "Keras on a backend without a data-parallel API",
         "import keras_mirror_kit as kmk\nkmk.distributed(per_replica_batch_size=8)",
         RuntimeError,
-        "Keras runs on the 'numpy' backend",
+        "no data-parallel API for the 'numpy' backend",
         env={"KERAS_BACKEND": "numpy"},
     ),
     Case(

@@ -170,12 +170,12 @@ def test_disk_full_during_a_save_is_a_clear_error_and_keeps_earlier_checkpoints(
     manifest = _manifest(directory)
     assert manifest["latest"] == manifest["checkpoints"][-1]["file"]
     assert not [n for n in os.listdir(directory) if n.endswith(".tmp")]
-    from keras_mirror_kit.checkpoint_store import CheckpointStore
+    from keras_mirror_kit.checkpoint.store import CheckpointStore
 
     store = CheckpointStore(directory)
     for entry in store.entries():
-        assert store.read(entry).meta["file"] == entry["file"]  # every one verifies
-    assert store.load_latest().meta["epoch"] == 1  # the end-of-epoch-0 checkpoint
+        assert store.read(entry).meta.file == entry.file  # every one verifies
+    assert store.load_latest().meta.epoch == 1  # the end-of-epoch-0 checkpoint
 
 
 @pytest.fixture()
@@ -235,12 +235,12 @@ def test_a_really_full_disk_during_a_save_is_a_clear_error_and_keeps_earlier_che
     manifest = _manifest(directory)
     assert manifest["latest"] == manifest["checkpoints"][-1]["file"] == "ckpt-00000002.npz"
     assert not [n for n in os.listdir(directory) if n.endswith(".tmp")]
-    from keras_mirror_kit.checkpoint_store import CheckpointStore
+    from keras_mirror_kit.checkpoint.store import CheckpointStore
 
     store = CheckpointStore(directory)  # read while the disk is still full
-    assert [e["file"] for e in store.entries()] == ["ckpt-00000001.npz", "ckpt-00000002.npz"]
+    assert [e.file for e in store.entries()] == ["ckpt-00000001.npz", "ckpt-00000002.npz"]
     for entry in store.entries():
-        assert store.read(entry).meta["file"] == entry["file"]  # every one verifies
+        assert store.read(entry).meta.file == entry.file  # every one verifies
     latest = store.load_latest()
     assert latest is not None and (latest.meta["epoch"], latest.meta["step"]) == (1, 0)
     # A resume from the full disk's directory, once space is freed, ends as the reference.
@@ -269,7 +269,7 @@ def test_directory_turning_read_only_is_a_clear_error_and_keeps_checkpoints(asyn
         assert result["error"] == "CheckpointWriteError"
         assert "Permission denied" in result["message"]
         os.chmod(directory, 0o755)
-        from keras_mirror_kit.checkpoint_store import CheckpointStore
+        from keras_mirror_kit.checkpoint.store import CheckpointStore
 
         latest = CheckpointStore(directory).load_latest()
         assert latest is not None and latest.meta["epoch"] == 1

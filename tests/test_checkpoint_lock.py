@@ -16,13 +16,13 @@ import keras
 import pytest
 
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
-from keras_mirror_kit.checkpoint_lock import (
+from keras_mirror_kit.checkpoint.lock import (
     LOCK_FILE,
     CheckpointLockedError,
     DirectoryLock,
     StaleLockWarning,
 )
-from keras_mirror_kit.checkpoint_store import CheckpointError
+from keras_mirror_kit.checkpoint.store import CheckpointError
 from tests.ckpt_helpers import CountBatches, build, dataset
 from tests.subproc import REPO
 

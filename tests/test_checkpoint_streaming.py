@@ -1,7 +1,7 @@
 """Checkpoints of big models (issue 12 items 1 and 2): a save streams the state variable by
 variable into its file, a restore reads it back variable by variable, the replica check
 compares the copies on their devices, and files written by keras-mirror-kit 0.1.0 (in one
-piece) still resume exactly.
+piece) and by the code before the checkpoint package still resume exactly.
 
 Host memory is measured with `tracemalloc`, which sees NumPy's buffers and Python's bytes
 (everything a save or a restore copies to the host), not TensorFlow's own tensors.
@@ -9,8 +9,11 @@ Host memory is measured with `tracemalloc`, which sees NumPy's buffers and Pytho
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 import tracemalloc
+import zipfile
 from pathlib import Path
 
 import keras
@@ -19,17 +22,20 @@ import pytest
 
 import keras_mirror_kit as kmk
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
-from keras_mirror_kit.callbacks.synced_checkpoint.replicas import (
+from keras_mirror_kit.checkpoint.divergence import (
     ReplicaDivergenceError,
     check_replicas,
 )
-from keras_mirror_kit.callbacks.synced_checkpoint.state import state_variables
-from keras_mirror_kit.checkpoint_store import CheckpointStore
+from keras_mirror_kit.checkpoint.meta import CheckpointMeta, ManifestEntry
+from keras_mirror_kit.checkpoint.state import state_variables
+from keras_mirror_kit.checkpoint.store import CheckpointStore
 from tests.ckpt_helpers import CountBatches, build, dataset, max_diff
 
 MIB = 1 << 20
 ARRAYS, ARRAY_MIB = 16, 2  # a 32 MiB state of 2 MiB arrays
-OLD_FILES = Path(__file__).parent / "data" / "ckpt-v0.1.0"
+DATA = Path(__file__).parent / "data"
+# Checkpoints written by earlier versions, by the version that wrote them.
+OLD_FILES = {"0.1.0": DATA / "ckpt-v0.1.0", "ee9bcb3": DATA / "ckpt-ee9bcb3"}
 
 
 def _state():
@@ -52,7 +58,7 @@ def test_a_save_and_a_restore_hold_about_one_array_not_the_state(tmp_path):
     store = CheckpointStore(tmp_path)
     store.prepare()
     state = ARRAYS * ARRAY_MIB * MIB
-    saved = _peak_during(lambda: store.write(_state(), {"epoch": 1, "step": 0}))
+    saved = _peak_during(lambda: store.write(_state(), CheckpointMeta(epoch=1, step=0)))
     # 0.1.0 built the whole file in memory (BytesIO, then a copy): over 2x the state.
     assert saved <= 0.25 * state, f"save peak {saved / MIB:.1f} MiB of a 32 MiB state"
 
@@ -68,25 +74,26 @@ def test_a_save_and_a_restore_hold_about_one_array_not_the_state(tmp_path):
     assert restored <= 0.25 * state, f"restore peak {restored / MIB:.1f} MiB"
 
     # The streamed file is an ordinary .npz (what 0.1.0 and NumPy read), still verified.
-    path = tmp_path / store.entries()[-1]["file"]
+    path = tmp_path / store.entries()[-1].file
     with np.load(path, allow_pickle=False) as npz:
         assert npz["model/00003"][7] == 3 and len(npz.files) == ARRAYS + 1
     entry = store.entries()[-1]
-    assert set(entry) >= {"crc32", "size"} and "sha256" not in entry
+    assert entry.crc32 and entry.size and entry.sha256 is None
     good = path.read_bytes()
     raw = bytearray(good)
     raw[len(raw) // 2] ^= 1  # one bit flipped inside an array
     path.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="model/00008.npy fails its CRC"):
         store.read(entry)
+    unlisted = ManifestEntry(file=path.name, index=entry.index)
     with pytest.raises(ValueError, match="CRC"):  # a file the manifest does not list
-        store.read({"file": path.name})
+        store.read(unlisted)
     # Another whole, valid checkpoint in its place (same size): the manifest's checksum.
     other = CheckpointStore(tmp_path / "other")
     other.prepare()
-    other.write(((k, v + 1) for k, v in _state()), {"epoch": 1, "step": 0})
-    path.write_bytes((tmp_path / "other" / other.entries()[-1]["file"]).read_bytes())
-    assert path.stat().st_size == entry["size"]
+    other.write(((k, v + 1) for k, v in _state()), CheckpointMeta(epoch=1, step=0))
+    path.write_bytes((tmp_path / "other" / other.entries()[-1].file).read_bytes())
+    assert path.stat().st_size == entry.size
     with pytest.raises(ValueError, match="does not match its checksum in the manifest"):
         store.read(entry)
     # One flipped bit in the zip's own directory (the first member's flags: "encrypted";
@@ -99,9 +106,9 @@ def test_a_save_and_a_restore_hold_about_one_array_not_the_state(tmp_path):
         with pytest.raises(ValueError):
             store.read(entry)
         with pytest.raises(ValueError):
-            store.read({"file": path.name})
+            store.read(unlisted)
     path.write_bytes(good)
-    assert store.read(entry).meta["epoch"] == 1
+    assert store.read(entry).meta.epoch == 1
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -169,20 +176,70 @@ def test_the_replica_check_brings_only_scalars_to_the_host():
         check_replicas(model, named, atol=1e-2)
 
 
-def test_checkpoints_written_by_0_1_0_resume_exactly(tmp_path):
+@pytest.mark.parametrize("written_by", sorted(OLD_FILES))
+def test_checkpoints_written_by_earlier_versions_resume_exactly(tmp_path, written_by):
     """tests/data/ckpt-v0.1.0 was written by keras-mirror-kit 0.1.0 (commit 7cdaa18: the
-    whole .npz built in memory): tests.ckpt_helpers' Adam model, dataset(), save_freq=4,
-    fit(epochs=3) stopped by StopAt(1, 4); its newest checkpoint is epoch 1, batch 2."""
+    whole .npz built in memory, a SHA-256 per file in the manifest), tests/data/ckpt-ee9bcb3
+    by commit ee9bcb3 (streamed, a CRC-32 of the members), the code before the checkpoint
+    package; both with tests.ckpt_helpers' Adam model, dataset(), save_freq=4, fit(epochs=3)
+    stopped by StopAt(1, 4). Their newest checkpoint is epoch 1, batch 2."""
     reference, ds = build("adam"), dataset()
     uninterrupted = SyncedCheckpoint(tmp_path / "reference", save_freq=4, dataset=ds)
     reference.fit(ds, epochs=3, verbose=0, callbacks=[uninterrupted])
     directory = tmp_path / "ckpt"
-    shutil.copytree(OLD_FILES, directory)
+    shutil.copytree(OLD_FILES[written_by], directory)
     model, ds, counter = build("adam", seed=77), dataset(), CountBatches()
     checkpoint = SyncedCheckpoint(directory, save_freq=4, dataset=ds)
     model.fit(ds, epochs=3, verbose=0, callbacks=[checkpoint, counter])
-    restored = checkpoint.last_restored.meta
-    assert (restored["epoch"], restored["step"], restored["version"]) == (1, 2, 1)
+    restored = checkpoint.last_restored
+    assert restored.path.name == "ckpt-00000003.npz"  # the newest verified, none skipped
+    assert (restored.meta.epoch, restored.meta.step, restored.meta.version) == (1, 2, 1)
+    assert (restored.meta["epoch"], restored.meta["step"]) == (1, 2)  # the mapping view
     assert counter.batches == 4 + 6  # the rest of epoch 1, then epoch 2
     assert int(model.optimizer.iterations.numpy()) == 18
     assert max_diff(reference.get_weights(), model.get_weights()) <= 1e-6
+    # A save now writes what that version wrote: the same arrays, metadata keys (in order;
+    # 0.1.0 did not record the architecture) and manifest keys (0.1.0: a SHA-256).
+    files = []
+    for folder in (tmp_path / "reference", OLD_FILES[written_by]):
+        listed = json.loads((folder / "manifest.json").read_text())["checkpoints"][-1]
+        files.append((listed, folder / listed["file"]))
+    (now, new), (then, old) = files
+    assert list(now) == [key.replace("sha256", "crc32") for key in then]
+    meta_now, meta_then = _raw_meta(new), _raw_meta(old)
+    assert [k for k in meta_now if k != "model_config" or "model_config" in meta_then] == list(
+        meta_then
+    )
+    assert _array_names(new) == _array_names(old)
+
+
+def _raw_meta(path: Path) -> dict:
+    """The metadata of a checkpoint file as its JSON holds it."""
+    with zipfile.ZipFile(path) as archive, archive.open("__meta__.npy") as member:
+        return json.loads(np.lib.format.read_array(member).tobytes())
+
+
+def _array_names(path: Path) -> list[str]:
+    with zipfile.ZipFile(path) as archive:
+        return archive.namelist()
+
+
+@pytest.mark.parametrize("written_by", sorted(OLD_FILES))
+def test_the_metadata_schema_reads_and_writes_earlier_files_key_for_key(written_by):
+    """`CheckpointMeta` and `ManifestEntry` give back the JSON of the files and the manifest
+    of earlier versions exactly (keys, values, order): the format did not change."""
+    directory = OLD_FILES[written_by]
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert len(manifest["checkpoints"]) == 3
+    for listed in manifest["checkpoints"]:
+        entry = ManifestEntry.from_json(listed)
+        assert json.dumps(entry.to_json()) == json.dumps(listed)
+        raw = _raw_meta(directory / listed["file"])
+        meta = CheckpointMeta.from_json(raw)
+        assert json.dumps(meta.to_json()) == json.dumps(raw)
+        assert dict(meta) == raw and not meta.legacy_state
+        # The manifest entry a save makes of this metadata is the one listed.
+        made = ManifestEntry.of(meta, listed["file"], entry.crc32, entry.size)
+        assert dataclasses.replace(made, sha256=entry.sha256) == entry
+    # A file without "state" (before random-state saving) holds model.weights.
+    assert CheckpointMeta.from_json({k: v for k, v in raw.items() if k != "state"}).legacy_state

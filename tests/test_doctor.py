@@ -10,6 +10,7 @@ import sys
 import tomllib
 
 from keras_mirror_kit.cli import doctor
+from tests import network_modes as modes
 from tests.subproc import REPO
 
 
@@ -50,6 +51,15 @@ def test_doctor_passes_here_with_its_self_test() -> None:
     assert result["all_reduce_correct"] and result["busbw_gbps"] > 0
     assert checks["self-test"][0]["status"] == "ok"
     assert checks["all-reduce"][0]["status"] == "ok"
+    # Whether launch can isolate its workers here: what making a namespace shows.
+    probe = modes.PROBES["isolated"]
+    assert report["isolation"] == {
+        "available": probe.available,
+        "kind": probe.kind,
+        "detail": probe.detail,
+    }
+    (isolation,) = checks["isolation"]
+    assert isolation["status"] == ("ok" if probe.available else "warn"), isolation
 
 
 def test_doctor_fails_on_another_keras_backend() -> None:
@@ -62,13 +72,20 @@ def test_doctor_fails_on_another_keras_backend() -> None:
 
 
 def test_doctor_fails_on_a_bad_tf_config() -> None:
-    proc = _doctor("--json", "--no-self-test", env={"TF_CONFIG": '{"cluster": '})
+    """Also, on a host that refuses namespaces (simulated), isolation is a warning."""
+    env = {"TF_CONFIG": '{"cluster": ', "KMK_LAUNCH_TEST_NAMESPACES": "refuse"}
+    proc = _doctor("--json", "--no-self-test", env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["ok"] is False
     failed = [c for c in report["checks"] if c["status"] == "fail"]
     assert [c["name"] for c in failed] == ["configuration"]
     assert "TF_CONFIG" in failed[0]["detail"]
+    (isolation,) = _by_name(report)["isolation"]
+    assert isolation["status"] == "warn" and report["isolation"]["available"] is False
+    detail = isolation["detail"]
+    assert "launch cannot isolate its workers here (unshare: refused for a test" in detail
+    assert "listen on all interfaces" in detail
 
 
 def test_supported_versions_are_the_package_requirements() -> None:

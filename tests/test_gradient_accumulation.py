@@ -22,9 +22,9 @@ import tensorflow as tf
 
 import keras_mirror_kit as kmk
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
-from keras_mirror_kit.callbacks.synced_checkpoint.replicas import check_replicas
-from keras_mirror_kit.callbacks.synced_checkpoint.state import state_variables
 from keras_mirror_kit.callbacks.throughput_monitor import ThroughputMonitor
+from keras_mirror_kit.checkpoint.divergence import check_replicas
+from keras_mirror_kit.checkpoint.state import state_variables
 from keras_mirror_kit.schedules import WarmupSchedule
 from keras_mirror_kit.workarounds import keras_grad_accumulation
 from tests.ckpt_helpers import StopAt, dataset, max_diff

@@ -29,7 +29,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit.checkpoint_lock import LOCK_FILE
+from keras_mirror_kit.checkpoint.lock import LOCK_FILE
 from keras_mirror_kit.distribution import Distribution
 from tests.subproc import REPO, last_json, run_python
 
@@ -330,6 +330,22 @@ def test_wandb_is_imported_only_by_the_integration_module():
 def test_rejects_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match.replace("[", r"\[").replace("(", r"\(")):
         WandbLogger(**kwargs)
+
+
+def test_w_and_b_online_in_an_isolated_launch_worker_is_warned_about():
+    """`launch` (default --network auto) runs the workers without network: W&B online
+    cannot work there (the logger then warns before wandb.init); offline can."""
+    from keras_mirror_kit.integrations.wandb import _can_reach_wandb
+
+    isolated = {"KMK_LAUNCH_NETWORK": "isolated"}
+    assert not _can_reach_wandb(None, isolated)  # W&B's default: online
+    assert not _can_reach_wandb(None, {**isolated, "WANDB_MODE": "online"})
+    assert not _can_reach_wandb("online", {**isolated, "WANDB_MODE": "offline"})
+    for mode in ("offline", "disabled", "dryrun"):
+        assert _can_reach_wandb(mode, isolated)
+        assert _can_reach_wandb(None, {**isolated, "WANDB_MODE": mode.upper()})
+    assert _can_reach_wandb(None, {"KMK_LAUNCH_NETWORK": "host"})
+    assert _can_reach_wandb("online", {})
 
 
 def test_rejects_new_run_arguments_together_with_a_run(tmp_path):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
-from keras_mirror_kit.callbacks.synced_checkpoint.restore import load_checkpoint
+from keras_mirror_kit.checkpoint.restore import load_checkpoint
 from tests.ckpt_helpers import build, data, dataset
 
 
@@ -84,7 +84,9 @@ def test_auto_mode_for_a_metric_of_unknown_direction_asks_for_a_mode(tmp_path):
     [
         ({"mode": "best"}, ValueError, "`mode` must be 'auto', 'min' or 'max'"),
         ({"keep_best": -1}, ValueError, "`keep_best` must be a non-negative integer"),
-        ({"keep_best": 1, "monitor": ""}, TypeError, "`monitor` must be the non-empty"),
+        ({"keep_best": 1, "monitor": ""}, ValueError, "`monitor` must be the non-empty"),
+        ({"keep_best": 1, "monitor": 3}, TypeError, "`monitor` must be the non-empty"),
+        ({"keep_best": 1.5}, TypeError, "`keep_best` must be a non-negative integer"),
     ],
 )
 def test_bad_keep_best_arguments_are_refused(tmp_path, kwargs, error, match):

@@ -29,6 +29,7 @@ import psutil
 import pytest
 
 from keras_mirror_kit.multi_worker import launch
+from tests import network_modes as modes
 from tests.processes import alive, assert_none_left, kill
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,7 +70,8 @@ JOB = textwrap.dedent(
         ctypes.CDLL(None).prctl(2, ctypes.byref(value), 0, 0, 0)
         return value.value
 
-    info = {"pid": os.getpid(), "pdeathsig": parent_death_signal()}
+    info = {"pid": os.getpid(), "pdeathsig": parent_death_signal(),
+            "netns": os.readlink("/proc/self/ns/net")}
     if mode in ("hang-helper", "helper-cleans-up", "helper-ignores-term"):
         helper = subprocess.Popen([sys.executable, "-c", HELPER, out, str(rank), mode])
         info["helper_pid"] = helper.pid
@@ -157,33 +159,48 @@ def _finished(out: Path) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("sig", "form", "off"),
+    ("sig", "form", "off", "mode"),
     [
-        (signal.SIGKILL, "script", None),
-        (signal.SIGHUP, "script", None),
-        (signal.SIGKILL, "command", None),
-        (signal.SIGKILL, "script", launch.NO_PDEATHSIG_ENV),
-        (signal.SIGKILL, "command", launch.NO_PDEATHSIG_ENV),
-        (signal.SIGKILL, "script", launch.NO_WATCHDOG_ENV),
-        (signal.SIGKILL, "command", launch.NO_WATCHDOG_ENV),
+        pytest.param(signal.SIGKILL, "script", None, "default", id="sigkill"),
+        pytest.param(signal.SIGHUP, "script", None, "default", id="sighup"),
+        pytest.param(signal.SIGKILL, "command", None, "default", id="sigkill-shell-command"),
+        pytest.param(
+            signal.SIGKILL, "script", launch.NO_PDEATHSIG_ENV, "default",
+            id="sigkill-watchdog-alone",
+        ),
+        pytest.param(
+            signal.SIGKILL, "command", launch.NO_PDEATHSIG_ENV, "default",
+            id="sigkill-shell-command-watchdog-alone",
+        ),
+        pytest.param(
+            signal.SIGKILL, "script", launch.NO_WATCHDOG_ENV, "default",
+            id="sigkill-pdeathsig-alone",
+        ),
+        pytest.param(
+            signal.SIGKILL, "command", launch.NO_WATCHDOG_ENV, "default",
+            id="sigkill-shell-command-pdeathsig-alone",
+        ),
+        pytest.param(signal.SIGKILL, "script", None, "host", id="sigkill-network-host"),
+        *(  # the parent-death signal and the watchdog, each alone, across a user namespace
+            pytest.param(
+                signal.SIGKILL, form, off, "isolated-user", id=f"{name}-user-namespace",
+                marks=modes.param("isolated-user").marks,
+            )
+            for name, form, off in (
+                ("sigkill-pdeathsig-alone", "script", launch.NO_WATCHDOG_ENV),
+                ("sigkill-shell-command-watchdog-alone", "command", launch.NO_PDEATHSIG_ENV),
+            )
+        ),
     ],
-    ids=[
-        "sigkill",
-        "sighup",
-        "sigkill-shell-command",
-        "sigkill-watchdog-alone",
-        "sigkill-shell-command-watchdog-alone",
-        "sigkill-pdeathsig-alone",
-        "sigkill-shell-command-pdeathsig-alone",
-    ],
-)
-def test_no_worker_outlives_the_launcher(tmp_path, job, out, sig, form, off):
+)  # fmt: skip
+def test_no_worker_outlives_the_launcher(tmp_path, job, out, sig, form, off, mode):
     """Each worker has a helper process; in the command form the worker is a shell whose
     child is the real job. After the launcher gets `sig`, none of them is alive 10 s later.
 
     `off` turns one of the two mechanisms off: the watchdog alone kills every worker's
     whole process group; the parent-death signal alone kills every worker (the launcher's
-    own children), but not what they started, which the check then finds alive."""
+    own children), but not what they started, which the check then finds alive. `mode`:
+    the launcher's network ("default": what this host allows; see tests/network_modes.py)."""
     if form == "script":
         target = [str(job)]
     else:
@@ -192,6 +209,8 @@ def test_no_worker_outlives_the_launcher(tmp_path, job, out, sig, form, off):
         run_sh.chmod(0o755)
         target = ["--", str(run_sh)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if mode != "default":
+        env = modes.env_for(mode, env)
     env.pop(launch.NO_PDEATHSIG_ENV, None)
     env.pop(launch.NO_WATCHDOG_ENV, None)
     if off is not None:
@@ -199,8 +218,8 @@ def test_no_worker_outlives_the_launcher(tmp_path, job, out, sig, form, off):
     stderr_path = tmp_path / "launcher.err"
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen(
-            [*LAUNCHER, "-n", "2", "--grace", "1", "--startup-timeout", "0", *target,
-             str(out), "hang-helper"],
+            [*LAUNCHER, "-n", "2", "--grace", "1", "--startup-timeout", "0",
+             *modes.args_for(mode), *target, str(out), "hang-helper"],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -226,6 +245,10 @@ def test_no_worker_outlives_the_launcher(tmp_path, job, out, sig, form, off):
         if form == "script":  # the job is the worker: it carries the parent-death signal
             expected = 0 if off == launch.NO_PDEATHSIG_ENV else signal.SIGKILL
             assert [info["pdeathsig"] for info in infos] == [expected, expected]
+        if mode != "default":  # the jobs (in the command form, the shells' children)
+            isolated = mode in modes.ISOLATED
+            assert (infos[0]["netns"] != modes.netns()) is isolated, infos
+            assert infos[0]["netns"] == infos[1]["netns"]
         proc.send_signal(sig)
         proc.wait(timeout=120)
         # Only the workers when the parent-death signal acts alone (no watchdog).

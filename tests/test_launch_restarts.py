@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from keras_mirror_kit.callbacks.synced_checkpoint.preemption import PREEMPTED_EXIT_CODE
+from keras_mirror_kit.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from keras_mirror_kit.multi_worker import launch
+from tests import network_modes as modes
 from tests import preemption_runs as runs
 from tests.processes import assert_none_left
 
@@ -45,7 +46,8 @@ JOB = textwrap.dedent(
     mode = modes[min(attempt, len(modes) - 1)]
     with open(os.path.join(out, f"attempts-{rank}"), "a") as f:
         f.write(json.dumps({"attempt": attempt, "pid": os.getpid(),
-                            "tf_config": os.environ["TF_CONFIG"]}) + "\\n")
+                            "tf_config": os.environ["TF_CONFIG"],
+                            "netns": os.readlink("/proc/self/ns/net")}) + "\\n")
     print(f"rank {rank} attempt {attempt} mode {mode}", flush=True)
 
     def recorded_by_worker_0():
@@ -104,10 +106,14 @@ def _pids(out: Path) -> list[int]:
     return [a["pid"] for rank in (0, 1) for a in _attempts(out, rank)]
 
 
-def test_failures_restart_every_worker_until_one_attempt_succeeds(capsys, job, out):
+@pytest.mark.parametrize("mode", modes.params("isolated", "host", "fallback"))
+def test_failures_restart_every_worker_until_one_attempt_succeeds(
+    capsys, monkeypatch, job, out, mode
+):
+    network = modes.apply(mode, monkeypatch)
     code = launch.main(
-        ["-n", "2", "--grace", "1", "--finish-window", "2", "--max-restarts", "3", str(job),
-         str(out), "fail,kill,preempted,ok"]
+        ["-n", "2", "--grace", "1", "--finish-window", "2", "--max-restarts", "3", *network,
+         str(job), str(out), "fail,kill,preempted,ok"]
     )  # fmt: skip
     err = capsys.readouterr().err
     assert code == 0, err
@@ -128,6 +134,16 @@ def test_failures_restart_every_worker_until_one_attempt_succeeds(capsys, job, o
     # Every attempt has its own cluster (TF_CONFIG), with ports found again.
     configs = [json.loads(a["tf_config"]) for a in _attempts(out, 0)]
     assert all(len(c["cluster"]["worker"]) == 2 for c in configs)
+    # Each attempt in a namespace shared by its workers (a new one: the kernel reuses the
+    # inode number of a freed namespace, so numbers may repeat), or in the host's.
+    spaces = [a["netns"] for a in _attempts(out, 0)]
+    assert spaces == [a["netns"] for a in _attempts(out, 1)]
+    if mode == "isolated":
+        assert modes.netns() not in spaces
+        assert modes.EXPOSED not in err
+    else:  # one WARNING for the launch, not one per attempt
+        assert set(spaces) == {modes.netns()}
+        assert err.count(modes.EXPOSED) == 1 and err.count("WARNING") == 1, err
     assert_none_left(_pids(out))
 
 
@@ -173,11 +189,12 @@ def test_a_worker_that_leaves_early_is_not_restarted(capsys, job, out):
     assert_none_left(_pids(out))
 
 
-def test_a_signal_to_the_launcher_is_not_restarted(job, out):
+@pytest.mark.parametrize("mode", modes.params("isolated", "host"))
+def test_a_signal_to_the_launcher_is_not_restarted(job, out, mode):
     launcher = subprocess.Popen(
-        [*LAUNCHER, "-n", "2", "--grace", "1", "--max-restarts", "3", str(job), str(out),
-         "hang"],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        [*LAUNCHER, "-n", "2", "--grace", "1", "--max-restarts", "3", *modes.args_for(mode),
+         str(job), str(out), "hang"],
+        env=modes.env_for(mode, {**os.environ, "PYTHONPATH": str(REPO)}),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     try:

@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
-from keras_mirror_kit.callbacks.synced_checkpoint import preemption as preemption_module
-from keras_mirror_kit.callbacks.synced_checkpoint.preemption import (
+from keras_mirror_kit.checkpoint import preemption as preemption_module
+from keras_mirror_kit.checkpoint.preemption import (
     PREEMPTED_EXIT_CODE,
     Preempted,
 )
-from keras_mirror_kit.checkpoint_store import CheckpointStore
+from keras_mirror_kit.checkpoint.store import CheckpointStore
 from tests import preemption_runs as runs
 from tests.ckpt_helpers import build, dataset, max_diff
 from tests.processes import assert_none_left

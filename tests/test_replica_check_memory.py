@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit.callbacks.synced_checkpoint.replicas import (
+from keras_mirror_kit.checkpoint.divergence import (
     _CHUNK_BYTES,
     ReplicaDivergenceError,
     check_replicas,
@@ -36,7 +36,7 @@ import keras
 import numpy as np
 import keras_mirror_kit as kmk
 kmk.simulate_replicas(2, device_type="CPU")
-from keras_mirror_kit.callbacks.synced_checkpoint.replicas import (
+from keras_mirror_kit.checkpoint.divergence import (
     ReplicaDivergenceError, check_replicas,
 )
 

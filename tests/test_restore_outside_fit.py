@@ -5,6 +5,7 @@ exports to Keras' own formats, which load with plain Keras."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import keras
 import numpy as np
@@ -12,10 +13,11 @@ import pytest
 
 import keras_mirror_kit as kmk
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
-from keras_mirror_kit.callbacks.synced_checkpoint.restore import restore
-from keras_mirror_kit.checkpoint_store import CheckpointError
+from keras_mirror_kit.checkpoint.restore import restore
+from keras_mirror_kit.checkpoint.store import CheckpointError
 from keras_mirror_kit.cli import main
 from tests.ckpt_helpers import CountBatches, build, dataset
+from tests.subproc import REPO, last_json, run_python
 
 # -- item 6: variables are matched by path ------------------------------------------------
 
@@ -165,8 +167,6 @@ def test_ckpt_ls_and_verify(cnn_checkpoint, capsys, tmp_path):
     assert main(["ckpt", "verify", str(directory)]) == 0
     assert "1 of 1 checkpoint(s) verified, 0 corrupt" in capsys.readouterr().out
     # A damaged copy: verify names it and fails.
-    import shutil
-
     damaged = tmp_path / "damaged"
     shutil.copytree(directory, damaged)
     path = damaged / newest["file"]
@@ -176,6 +176,54 @@ def test_ckpt_ls_and_verify(cnn_checkpoint, capsys, tmp_path):
     assert main(["ckpt", "verify", str(damaged)]) == 1
     out = capsys.readouterr().out
     assert f"{newest['file']}: CORRUPT" in out and "fails its CRC" in out
+
+
+@pytest.mark.parametrize(
+    ("folder", "how"),
+    [("ckpt-v0.1.0", "size and SHA-256 ok"), ("ckpt-ee9bcb3", "size, checksum and CRCs ok")],
+)
+def test_ckpt_verify_and_ls_accept_earlier_versions_without_tensorflow(tmp_path, folder, how):
+    """Checkpoints written by 0.1.0 and by commit ee9bcb3 (before the checkpoint package)
+    verify and list as they did, and `ckpt ls|verify` import neither TensorFlow nor Keras."""
+    directory = tmp_path / folder
+    shutil.copytree(REPO / "tests" / "data" / folder, directory)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(directory, damaged)
+    newest = damaged / "ckpt-00000003.npz"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    newest.write_bytes(bytes(data))
+    proc = run_python(
+        f"""
+        import contextlib, io, json, sys
+        from keras_mirror_kit.cli import main
+        runs = {{}}
+        for argv in (["verify", {str(directory)!r}], ["ls", "--json", {str(directory)!r}],
+                     ["verify", {str(damaged)!r}]):
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                rc = main(["ckpt", *argv])
+            runs[argv[0] if argv[-1] != {str(damaged)!r} else "damaged"] = [rc, out.getvalue()]
+        modules = [m for m in ("tensorflow", "keras") if m in sys.modules]
+        print("RESULT " + json.dumps({{"runs": runs, "modules": modules}}))
+        """,
+        timeout=120,
+    )
+    result = last_json(proc)
+    assert result["modules"] == []
+    rc, out = result["runs"]["verify"]
+    assert rc == 0 and "3 of 3 checkpoint(s) verified, 0 corrupt" in out, out
+    assert all(f"ckpt-0000000{i}.npz: ok ({how})" in out for i in (1, 2, 3)), out
+    rc, out = result["runs"]["ls"]
+    rows = json.loads(out)
+    assert rc == 0 and [(r["epoch"], r["step"], r["epoch_end"]) for r in rows] == [
+        (0, 4, False),
+        (1, 0, True),
+        (1, 2, False),
+    ]
+    assert [r["latest"] for r in rows] == [False, False, True] and all(r["listed"] for r in rows)
+    assert rows[-1]["checksum"].startswith("sha256:" if "SHA" in how else "crc32:")
+    rc, out = result["runs"]["damaged"]
+    assert rc == 1 and "ckpt-00000003.npz: CORRUPT" in out and "2 of 3" in out, out
 
 
 def test_ckpt_export_loads_with_plain_keras(cnn_checkpoint, capsys, tmp_path):
@@ -220,7 +268,7 @@ def small_model():
 
 
 def test_user_chosen_names_that_end_like_auto_numbers_must_be_equal():
-    from keras_mirror_kit.callbacks.synced_checkpoint.paths import pair_by_path
+    from keras_mirror_kit.checkpoint.state import pair_by_path
 
     shape = (2, 2)
     mine = pair_by_path([("model", "my_dense_1/kernel", shape)],

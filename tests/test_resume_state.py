@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
-from keras_mirror_kit.checkpoint_store import CheckpointError, CorruptCheckpointWarning
+from keras_mirror_kit.checkpoint.store import CheckpointError, CorruptCheckpointWarning
 from tests.ckpt_helpers import CountBatches, StopAt, build, data, dataset, max_diff
 from tests.subproc import last_json, run_python
 
@@ -510,7 +510,7 @@ def test_keras_private_layout_change_does_not_break_the_import():
         sys.modules["keras.src.backend.common.global_state"] = None  # the module moved
         del common.global_state
         import keras_mirror_kit
-        from keras_mirror_kit.callbacks.synced_checkpoint.snapshot import take_snapshot
+        from keras_mirror_kit.checkpoint.snapshot import take_snapshot
 
         records = []
         handler = logging.Handler(logging.DEBUG)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from keras_mirror_kit.callbacks.synced_checkpoint.preemption import PREEMPTED_EXIT_CODE
+from keras_mirror_kit.checkpoint.preemption import PREEMPTED_EXIT_CODE
 from keras_mirror_kit.multi_worker import cluster
 from tests.processes import assert_none_left
 from tests.subproc import REPO, python_on_path

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import keras_mirror_kit as kmk
 from keras_mirror_kit.callbacks.synced_checkpoint import ReplicaDivergenceError, SyncedCheckpoint
-from keras_mirror_kit.checkpoint_store import CheckpointError, CorruptCheckpointWarning
+from keras_mirror_kit.checkpoint.store import CheckpointError, CorruptCheckpointWarning
 from tests.ckpt_helpers import CountBatches, StopAt, build, data, dataset, max_diff
 
 EPOCHS = 4  # 6 batches each, 24 optimizer steps
@@ -87,13 +87,19 @@ def test_integer_save_freq_resumes_mid_epoch_without_training_a_batch_twice(opti
 
 
 def test_without_a_kit_dataset_mid_epoch_checkpoints_fall_back_to_the_epoch_boundary(
-    tmp_path,
+    tmp_path, caplog
 ):
-    """Documented behaviour: resume from the newest epoch-end checkpoint, no batch twice."""
+    """Documented behaviour: resume from the newest epoch-end checkpoint, no batch twice,
+    with a WARNING (default logging shows it) that says what to do for an exact resume."""
     reference = uninterrupted("sgd", tmp_path, use_dataset=False)
-    model, checkpoint, counter = crash_then_resume(
-        "sgd", tmp_path / "run", (2, 4), save_freq=4, use_dataset=False
-    )
+    with caplog.at_level(logging.INFO, logger="keras_mirror_kit"):
+        model, checkpoint, counter = crash_then_resume(
+            "sgd", tmp_path / "run", (2, 4), save_freq=4, use_dataset=False
+        )
+    said = [r for r in caplog.records if "written mid-epoch" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "SyncedCheckpoint was given no dataset=" in said[0].getMessage()
+    assert "dataset=train_ds" in said[0].getMessage()
     entries = json.loads((tmp_path / "run" / "manifest.json").read_text())["checkpoints"]
     assert any(not e["epoch_end"] for e in entries)  # a newer mid-epoch one exists
     assert checkpoint.last_restored.meta["epoch_end"] is True
@@ -274,10 +280,17 @@ def test_verify_replicas_names_a_diverged_variable(tmp_path):
 def test_non_finite_values_on_one_replica_are_named_as_such(tmp_path):
     model, ds = build("sgd"), dataset()
     bias = model.layers[0].bias
-    copies = model.distribute_strategy.experimental_local_results(bias.value)
-    copies[1].assign(np.full(copies[1].shape, np.nan, "float32"))  # replica 1 diverged
+
+    class DivergeReplica1(keras.callbacks.Callback):
+        """At the epoch's end, right before the save: no step spreads the NaN to replica 0."""
+
+        def on_epoch_end(self, epoch, logs=None):
+            copies = model.distribute_strategy.experimental_local_results(bias.value)
+            copies[1].assign(np.full(copies[1].shape, np.nan, "float32"))
+
+    checkpoint = SyncedCheckpoint(tmp_path, dataset=ds)
     with pytest.raises(ReplicaDivergenceError, match="NaN or Inf on some replicas") as info:
-        model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+        model.fit(ds, epochs=1, verbose=0, callbacks=[DivergeReplica1(), checkpoint])
     assert "bias (NaN or Inf on replica [1])" in str(info.value)
     assert "nan" not in str(info.value)  # not "max |diff| nan"
     assert not any(n.endswith(".npz") for n in os.listdir(tmp_path))
@@ -304,8 +317,11 @@ def test_unsynchronised_batch_norm_statistics_are_reported_not_raised(tmp_path, 
     [
         ({"save_freq": 0}, ValueError, "save_freq=0"),
         ({"save_freq": "batch"}, ValueError, "save_freq='batch'"),
-        ({"save_freq": 2.5}, ValueError, "save_freq=2.5"),
+        ({"save_freq": 2.5}, TypeError, "save_freq=2.5"),
         ({"keep": 0}, ValueError, "keep=0"),
+        ({"keep": True}, TypeError, "keep=True"),
+        ({"verify_atol": -1e-3}, ValueError, "verify_atol=-0.001"),
+        ({"verify_atol": "0"}, TypeError, "verify_atol='0'"),
         ({"dataset": [1, 2]}, ValueError, "dataset=list"),
     ],
 )
@@ -315,6 +331,8 @@ def test_bad_arguments(tmp_path, kwargs, exc, fragment):
     assert fragment in str(info.value)
     with pytest.raises(TypeError, match="directory=None"):
         SyncedCheckpoint(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="directory=''"):
+        SyncedCheckpoint("")
 
 
 def test_a_file_where_the_directory_should_be_fails_before_training(tmp_path):
@@ -476,3 +494,68 @@ def test_mid_epoch_resume_into_another_replica_count_skips_the_consumed_samples(
     assert counter.batches == 12 - 8  # only the 32 samples not yet trained in epoch 1
     assert len(before) == 64 and len(after) == 32
     assert sorted(before + after) == list(range(96))  # none twice, none skipped
+
+
+class _Payload:
+    """Unpickling it creates the file `path` (what a malicious pickle could do, harmlessly)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path, capsys):
+    """docs/security.md: checkpoints are read with NumPy's allow_pickle=False. A checkpoint
+    whose first variable is replaced by a pickled object array of the right shape, with a
+    manifest entry that matches it (someone who can write the directory), is skipped as
+    unreadable at resume (the previous checkpoint is used) and fails `ckpt verify`; its
+    payload, live under np.load(allow_pickle=True), never runs."""
+    import io
+    import zipfile
+
+    from keras_mirror_kit import cli
+    from keras_mirror_kit.checkpoint import store as checkpoint_store
+
+    directory, marker = tmp_path / "ckpt", tmp_path / "unpickled"
+    model, ds = build("sgd"), dataset()
+    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(directory, dataset=ds)])
+    manifest = json.loads((directory / "manifest.json").read_text())
+    good, evil = directory / manifest["latest"], directory / "ckpt-00000002.npz"
+    pickled = np.empty(model.weights[0].shape, dtype=object)
+    pickled[...] = _Payload(str(marker))
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(evil, "w") as dst:
+        for name in src.namelist():
+            data = src.read(name)
+            if name == "model/00000.npy":  # the first kernel, as a pickle
+                buffer = io.BytesIO()
+                np.lib.format.write_array(buffer, pickled, allow_pickle=True)
+                data = buffer.getvalue()
+            elif name == "__meta__.npy":
+                meta = json.loads(np.lib.format.read_array(src.open(name)).tobytes())
+                buffer = io.BytesIO()
+                blob = json.dumps({**meta, "file": evil.name}).encode()
+                np.lib.format.write_array(buffer, np.frombuffer(blob, np.uint8))
+                data = buffer.getvalue()
+            dst.writestr(name, data)
+    with zipfile.ZipFile(evil) as archive:
+        crc32 = checkpoint_store._members_checksum(archive)
+    entry = {**manifest["checkpoints"][-1], "file": evil.name, "crc32": crc32}
+    manifest["checkpoints"].append({**entry, "size": evil.stat().st_size})
+    manifest["latest"] = evil.name
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+    fresh, ds = build("sgd", seed=1), dataset()
+    checkpoint = SyncedCheckpoint(directory, dataset=ds)
+    with pytest.warns(CorruptCheckpointWarning, match="holds Python objects"):
+        fresh.fit(ds, epochs=2, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.last_restored.path.name == manifest["checkpoints"][-2]["file"]
+    assert not marker.exists(), "the checkpoint's pickle was loaded"
+    capsys.readouterr()
+    assert cli.main(["ckpt", "verify", str(directory), evil.name]) == 1
+    assert "holds Python objects" in capsys.readouterr().out
+    assert not marker.exists()
+    with np.load(evil, allow_pickle=True) as unsafe:  # the payload is live: the test can fail
+        unsafe["model/00000"]  # noqa: B018
+    assert marker.exists()

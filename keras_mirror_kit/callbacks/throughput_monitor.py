@@ -16,7 +16,7 @@ import keras
 
 from keras_mirror_kit.callbacks.keras_loop import steps_done
 from keras_mirror_kit.fit_wrapper import batch_plan
-from keras_mirror_kit.model_record import is_chief
+from keras_mirror_kit.model_record import engine_of, is_chief
 from keras_mirror_kit.throughput.flops import (
     count_training_flops,
     model_compute_dtype,
@@ -37,13 +37,8 @@ _NEVER = sys.maxsize
 
 
 def _replica_devices(model: Any) -> tuple[str, ...]:
-    """This process's replica devices: the strategy's, or TensorFlow's first device."""
-    try:
-        return tuple(model.distribute_strategy.extended.worker_devices)
-    except (AttributeError, RuntimeError):  # the default strategy has no device list
-        import tensorflow as tf
-
-        return ("/device:GPU:0",) if tf.config.list_logical_devices("GPU") else ("/device:CPU:0",)
+    """This process's replica devices (the backend's default device outside any strategy)."""
+    return engine_of(model).devices
 
 
 class ThroughputMonitor(keras.callbacks.Callback):
@@ -268,8 +263,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
             )
         replicas = self._num_replicas
         if replicas is None:
-            strategy = getattr(model, "distribute_strategy", None)
-            replicas = int(getattr(strategy, "num_replicas_in_sync", 1) or 1)
+            replicas = engine_of(model).num_replicas
         return self._global_batch_size, replicas, 1
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:

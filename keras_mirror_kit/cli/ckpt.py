@@ -1,6 +1,6 @@
 """`keras-mirror-kit ckpt ls|verify|export DIR`: inspect, verify and export checkpoints.
 
-`ls` and `verify` read the directory with `keras_mirror_kit.checkpoint_store` alone (NumPy,
+`ls` and `verify` read the directory with `keras_mirror_kit.checkpoint.store` alone (NumPy,
 no TensorFlow), so they answer at once; `export` builds the model with Keras.
 """
 
@@ -45,7 +45,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs `keras-mirror-kit ckpt ...`; returns the exit code (1: a failed check)."""
-    from keras_mirror_kit.checkpoint_store import CheckpointError
+    from keras_mirror_kit.checkpoint.store import CheckpointError
 
     try:
         if args.ckpt_command == "ls":
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _store(directory: str) -> Any:
-    from keras_mirror_kit.checkpoint_store import CheckpointError, CheckpointStore
+    from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore
 
     if not os.path.isdir(directory):
         raise CheckpointError(
@@ -70,34 +70,34 @@ def _store(directory: str) -> Any:
 
 def rows(directory: str) -> list[dict[str, Any]]:
     """The checkpoints of `directory`, oldest first, with what `ls` shows."""
-    from keras_mirror_kit.checkpoint_store import best_entries
+    from keras_mirror_kit.checkpoint.best import best_entries
 
     store = _store(directory)
     entries = store.entries()
-    manifest = store.read_manifest() or {}
-    monitors = [e["monitor"] for e in entries if e.get("monitor") and e.get("score") is not None]
-    best = best_entries(entries, monitors[-1])[:1] if monitors else []
+    latest = (store.read_manifest() or (None, []))[0]
+    scores = [e.score for e in entries if e.score is not None and e.score.value is not None]
+    best = best_entries(entries, scores[-1].monitor)[:1] if scores else []
     result = []
     for entry in entries:
-        path = store.directory / entry["file"]
-        size = entry.get("size")
+        path = store.directory / entry.file
+        size = entry.size
         if size is None and path.exists():
             size = path.stat().st_size
         result.append(
             {
-                "file": entry["file"],
-                "epoch": entry.get("epoch"),
-                "step": entry.get("step"),
-                "epoch_end": entry.get("epoch_end"),
-                "global_step": entry.get("global_step"),
+                "file": entry.file,
+                "epoch": entry.epoch,
+                "step": entry.step,
+                "epoch_end": entry.epoch_end,
+                "global_step": entry.global_step,
                 "size": size,
                 "checksum": _checksum(entry),
-                "monitor": entry.get("monitor"),
-                "score": entry.get("score"),
-                "latest": entry["file"] == manifest.get("latest"),
-                "best": bool(best) and entry["file"] == best[0]["file"],
-                "listed": "crc32" in entry or "sha256" in entry,
-                "unreadable": bool(entry.get("unreadable")),
+                "monitor": entry.score.monitor if entry.score is not None else None,
+                "score": entry.score.value if entry.score is not None else None,
+                "latest": entry.file == latest,
+                "best": bool(best) and entry.file == best[0].file,
+                "listed": entry.listed,
+                "unreadable": entry.unreadable,
             }
         )
     return result
@@ -137,11 +137,11 @@ def _ls(directory: str, as_json: bool) -> int:
     return 0
 
 
-def _checksum(entry: dict[str, Any]) -> str | None:
+def _checksum(entry: Any) -> str | None:
     """`crc32:<8 hex>` (or `sha256:<first 12 hex>`, 0.1.0) as listed in the manifest."""
-    if "crc32" in entry:
-        return f"crc32:{entry['crc32']}"
-    return f"sha256:{entry['sha256'][:12]}" if "sha256" in entry else None
+    if entry.crc32 is not None:
+        return f"crc32:{entry.crc32}"
+    return f"sha256:{entry.sha256[:12]}" if entry.sha256 is not None else None
 
 
 def _cell(value: Any) -> str:
@@ -152,9 +152,9 @@ def _verify(directory: str, name: str | None) -> int:
     store = _store(directory)
     entries = store.entries()
     if name is not None:
-        entries = [e for e in entries if name in (e["file"], e["file"].removesuffix(".npz"))]
+        entries = [e for e in entries if name in (e.file, e.file.removesuffix(".npz"))]
         entries = entries or [
-            e for e in store.entries() if name.isdigit() and int(name) == e["index"]
+            e for e in store.entries() if name.isdigit() and int(name) == e.index
         ]
         if not entries:
             raise ValueError(
@@ -167,23 +167,23 @@ def _verify(directory: str, name: str | None) -> int:
             store.read(entry)
         except ValueError as err:
             failed += 1
-            sys.stdout.write(f"{entry['file']}: CORRUPT ({err})\n")
+            sys.stdout.write(f"{entry.file}: CORRUPT ({err})\n")
         else:
             how = (
                 "size, checksum and CRCs ok"
-                if "crc32" in entry
+                if entry.crc32 is not None
                 else "size and SHA-256 ok"
-                if "sha256" in entry
+                if entry.sha256 is not None
                 else "not in the manifest; zip CRCs ok"
             )
-            sys.stdout.write(f"{entry['file']}: ok ({how})\n")
+            sys.stdout.write(f"{entry.file}: ok ({how})\n")
     total = len(entries)
     sys.stdout.write(f"{total - failed} of {total} checkpoint(s) verified, {failed} corrupt\n")
     return 1 if failed else 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    from keras_mirror_kit.callbacks.synced_checkpoint.restore import export_checkpoint
+    from keras_mirror_kit.checkpoint.restore import export_checkpoint
 
     path = export_checkpoint(
         args.directory, args.to, name=args.name, model=args.model, overwrite=args.overwrite

@@ -1,12 +1,19 @@
 """`keras-mirror-kit doctor`: can this machine run the kit, and does it train right here?
 
 The checks, each `ok`, `warn`, `FAIL` or `skip`: Python, TensorFlow and Keras against the
-supported versions; the Keras backend; GPUs (names, memory), the CUDA/cuDNN build and GPUs
-TensorFlow cannot use; NCCL and the all-reduce `distributed()` would pick; the environment
-variables that change what the kit does; known-bad combinations; and a self-test of about
-20 s in a fresh process: one tiny model trained on 1 replica and on every replica (2
-simulated ones when there are fewer than 2 GPUs) must end with the same weights (within
-1e-6), and an all-reduce bandwidth figure. Exit status 1 when a check failed.
+supported versions; whether `launch` can isolate its workers in a network namespace of
+their own (a namespace made and dropped, no TensorFlow); the Keras backend; GPUs (names,
+memory), the CUDA/cuDNN build and GPUs TensorFlow cannot use; NCCL and the all-reduce
+`distributed()` would pick; the environment variables that change what the kit does;
+known-bad combinations; and a self-test of about 20 s in a fresh process: one tiny model
+trained on 1 replica and on every replica (2 simulated ones when there are fewer than 2
+GPUs) must end with the same weights (within 1e-6), and an all-reduce bandwidth figure.
+Exit status 1 when a check failed.
+
+`doctor --model module:factory --data module:function` checks the user's own model
+instead (`kmk.check_replicas`): a few steps on 1 replica and on N from the same weights,
+the largest difference per variable and the known causes found; exit status 0 within the
+tolerance, 1 above it (or when a run fails), 2 for a usage error.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ def register(sub: Any) -> None:
     doctor = sub.add_parser(
         "doctor",
         help="check this machine for the kit (versions, backend, GPUs, NCCL, environment) "
-        "and run a short self-test; exit status 1 when a check fails",
+        "and run a short self-test, or with --model and --data your own model on 1 and N "
+        "replicas; exit status 1 when a check fails",
     )
     doctor.add_argument("--json", action="store_true", help="print JSON instead of a table")
     doctor.add_argument(
@@ -56,15 +64,75 @@ def register(sub: Any) -> None:
     doctor.add_argument(
         "--timeout",
         type=float,
-        default=300.0,
-        help="seconds the self-test may take before it counts as failed (default: 300)",
+        default=None,
+        help="seconds the self-test (default: 300) or the --model check (default: 600) may "
+        "take before it counts as failed",
     )
+    model = doctor.add_argument_group(
+        "your own model",
+        "--model and --data check your model instead of the machine: trained a few steps "
+        "on 1 replica and on N from the same weights, the largest difference per variable "
+        "and the known causes found; exit status 0 within --tolerance, 1 above it, 2 for a "
+        "usage error",
+    )
+    model.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="a function returning a compiled keras.Model, or a @kmk.distributed factory, "
+        "importable from the current directory (e.g. train:build_model)",
+    )
+    model.add_argument(
+        "--data",
+        metavar="MODULE:FUNCTION",
+        help="what fit gets: a function returning (x, y) arrays, a tf.data.Dataset of "
+        "batches or a PyDataset (or the data itself, by name)",
+    )
+    model.add_argument(
+        "--replicas",
+        type=int,
+        metavar="N",
+        help="replicas compared with one (default: the GPUs when there are 2 or more, else "
+        "2, simulated)",
+    )
+    model.add_argument(
+        "--steps", type=int, metavar="K", help="optimizer updates in each run (default: 3)"
+    )
+    model.add_argument(
+        "--tolerance",
+        type=float,
+        metavar="T",
+        help="largest absolute difference counted as equal (default: 1e-05; about 1e-2 "
+        "for float16 or bfloat16)",
+    )
+    model.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="B",
+        help="global batch of both runs (default: the factory's, else the data's first "
+        "batch, else 32)",
+    )
+
+
+_MODEL_OPTIONS = ("replicas", "steps", "tolerance", "batch_size")
+
+
+def _usage_error(message: str) -> int:
+    sys.stderr.write(f"keras-mirror-kit doctor: error: {message}\n")
+    return 2
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs `keras-mirror-kit doctor`."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
-    report = diagnose(self_test=not args.no_self_test, timeout=args.timeout)
+    if args.model is not None or args.data is not None:
+        return _check_model(args)
+    given = [f"--{n.replace('_', '-')}" for n in _MODEL_OPTIONS if getattr(args, n) is not None]
+    if given:
+        return _usage_error(
+            f"{', '.join(given)}: option(s) of the --model check; give --model and --data too"
+        )
+    timeout = 300.0 if args.timeout is None else args.timeout
+    report = diagnose(self_test=not args.no_self_test, timeout=timeout)
     if args.json:
         sys.stdout.write(json.dumps(report, indent=2, default=str) + "\n")
     else:
@@ -72,10 +140,44 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def _check_model(args: argparse.Namespace) -> int:
+    """`doctor --model ... --data ...`: the replica check of the user's model."""
+    if args.model is None or args.data is None:
+        return _usage_error("--model and --data go together: give both")
+    if args.no_self_test:
+        return _usage_error("--no-self-test is for the machine checks, not --model")
+    from keras_mirror_kit.replica_check import DEFAULT_TOLERANCE, check_replicas
+    from keras_mirror_kit.replica_check.specs import resolve_spec
+
+    try:
+        resolve_spec(args.model, "--model")  # errors that name the options
+        resolve_spec(args.data, "--data")
+        result = check_replicas(
+            args.model,
+            args.data,
+            3 if args.steps is None else args.steps,
+            replicas=args.replicas,
+            tolerance=DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance,
+            batch_size=args.batch_size,
+            timeout=600.0 if args.timeout is None else args.timeout,
+        )
+    except (TypeError, ValueError) as err:
+        return _usage_error(str(err))
+    except RuntimeError as err:
+        sys.stderr.write(f"keras-mirror-kit doctor: {err}\n")
+        return 1
+    if args.json:
+        sys.stdout.write(json.dumps(result.as_dict(), indent=2, allow_nan=False) + "\n")
+    else:
+        sys.stdout.write(result.describe() + "\n")
+    return 0 if result.passed else 1
+
+
 def diagnose(*, self_test: bool = True, timeout: float = 300.0) -> dict[str, Any]:
     """Checks this machine for keras-mirror-kit, as `keras-mirror-kit doctor` does; never raises.
 
-    Returns `{"ok", "checks": [{"name", "status", "detail"}], "environment", "info" (the
+    Returns `{"ok", "checks": [{"name", "status", "detail"}], "environment", "isolation"
+    ({"available", "kind", "detail"}: can `launch` isolate its workers here), "info" (the
     fields of `keras-mirror-kit info`, or None), "self_test" (figures, or None)}`; `ok` is
     False when a check has the status `"fail"`, which is how anything that goes wrong shows.
     `self_test` also trains a tiny model on 1 and on every replica in a fresh process and
@@ -94,6 +196,7 @@ def diagnose(*, self_test: bool = True, timeout: float = 300.0) -> dict[str, Any
         "ok" if _in_range(python, SUPPORTED_PYTHON) else "fail",
         f"{sys.version.split()[0]} (supported: {_range_text(SUPPORTED_PYTHON)})",
     )
+    report["isolation"] = _check_isolation(check)
     tf, keras = _import_frameworks(check)
     if tf is None or keras is None:
         report.update(checks=checks, ok=False)
@@ -146,6 +249,30 @@ def _environment() -> dict[str, str]:
     names = [n for n in ENV_VARS if n in os.environ]
     names += sorted(n for n in os.environ if n.startswith("NCCL_"))
     return {n: os.environ[n] for n in names}
+
+
+def _check_isolation(check: Any) -> dict[str, Any]:
+    """Whether `launch` can put its workers in a network namespace of their own, here."""
+    from keras_mirror_kit.multi_worker import SECURITY_DOCS_URL
+    from keras_mirror_kit.multi_worker.launch.isolation import probe
+
+    result = probe()  # a holder process makes and drops one namespace, as launch does
+    if result.available:
+        check(
+            "isolation",
+            "ok",
+            f"launch runs its workers in {result.detail}: their TensorFlow "
+            "servers are reachable from nowhere else",
+        )
+    else:
+        check(
+            "isolation",
+            "warn",
+            f"launch cannot isolate its workers here ({result.detail}): they run on this "
+            "host's network, where their TensorFlow servers listen on all interfaces, with "
+            f"a WARNING; see {SECURITY_DOCS_URL}",
+        )
+    return {"available": result.available, "kind": result.kind, "detail": result.detail}
 
 
 def _import_frameworks(check: Any) -> tuple[Any, Any]:

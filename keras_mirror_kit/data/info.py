@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from keras_mirror_kit.data.cursor import DatasetCursor
-    from keras_mirror_kit.data.preprocess import ReplicaVariant
 
 __all__ = ["DatasetInfo", "cursor_of", "dataset_info", "record_dataset"]
 
@@ -36,7 +35,8 @@ class DatasetInfo:
     batch_size: int
     epoch_samples: int
     preprocess_on: str | None = None
-    variant: ReplicaVariant | None = None
+    # A `data.preprocess.ReplicaVariant` (typed loosely: that module reads this one).
+    variant: Any = None
 
 
 _INFOS: weakref.WeakKeyDictionary[Any, DatasetInfo] = weakref.WeakKeyDictionary()

@@ -31,33 +31,8 @@ DEFAULT_GPU_MEMORY_LIMIT_MB = 2048
 def simulate_replicas(
     n: int, *, device_type: str | None = None, memory_limit_mb: int | None = None
 ) -> None:
-    """Splits one physical device into `n` logical devices, one replica each.
-
-    Call it at the top of a script, before TensorFlow creates any tensor, model or
-    strategy. Then `distributed()` finds `n` devices and builds `n` replicas. On a host with
-    GPUs the first GPU is split and the other GPUs are hidden from this process, so there
-    are exactly `n` replicas whatever the number of GPUs; each logical GPU gets
-    `memory_limit_mb` of memory (2048 MiB by default, so `n` x 2048 MiB must fit on the
-    first GPU). Otherwise the CPU is split. Calling it again with the same `n` is a no-op.
-
-    Args:
-        n: Number of logical devices (replicas) to create; a positive integer.
-        device_type: `"CPU"` or `"GPU"`; defaults to `"GPU"` when a GPU is visible.
-        memory_limit_mb: Memory per logical GPU in MiB (GPU only; default 2048).
-
-    Raises:
-        TypeError: If `n` is not an integer.
-        ValueError: If `n` is not positive or `device_type` is unknown or absent.
-        RuntimeError: If TensorFlow has already initialised its devices with another
-            layout; the message says how to call it earlier.
-
-    Example:
-
-    ```python
-    import keras_mirror_kit as kmk
-    kmk.simulate_replicas(2)          # first thing in the script
-    ```
-    """
+    """TensorFlow's side of `kmk.simulate_replicas` (`keras_mirror_kit.backends`): `n` logical
+    devices of the first GPU (the other GPUs hidden), else of the CPU."""
     n = positive_int("n", n)
     gpus = tf.config.list_physical_devices("GPU")
     if device_type is None:

@@ -31,9 +31,10 @@ except ImportError as err:  # pragma: no cover - exercised in a subprocess test
 
 from keras_mirror_kit._version import __version__
 from keras_mirror_kit.callbacks.keras_loop import find_callback_list, steps_done
-from keras_mirror_kit.checkpoint_lock import LOCK_FILE
+from keras_mirror_kit.checkpoint.lock import LOCK_FILE
 from keras_mirror_kit.distribution import Distribution
 from keras_mirror_kit.model_record import distribution_of, is_chief
+from keras_mirror_kit.multi_worker import NETWORK_ENV
 from keras_mirror_kit.validation import positive_int
 
 __all__ = ["WandbLogger"]
@@ -394,6 +395,13 @@ class WandbLogger(keras.callbacks.Callback):
         }
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         kwargs.update(self.init_kwargs)
+        if not _can_reach_wandb(kwargs.get("mode")):
+            logger.warning(
+                "WandbLogger: this worker runs in keras-mirror-kit launch's network namespace, "
+                "which has no network, so W&B online cannot reach its server. Pass "
+                "--network host to launch, or log offline (WANDB_MODE=offline) and run "
+                "`wandb sync` afterwards."
+            )
         run = wandb.init(**kwargs)
         logger.info("WandbLogger: started W&B run %s in %s", run.id, run.dir)
         return run
@@ -610,3 +618,10 @@ def _checkpoint_files(checkpoint_dir: str) -> list[str]:
                 continue
             found.append(Path(dirpath, filename).relative_to(root).as_posix())
     return sorted(found)
+
+
+def _can_reach_wandb(mode: str | None, environ: Mapping[str, str] | None = None) -> bool:
+    """False for W&B online in a worker that `launch` isolated (no network there)."""
+    environ = os.environ if environ is None else environ
+    mode = (mode or environ.get("WANDB_MODE") or "online").strip().lower()
+    return environ.get(NETWORK_ENV) != "isolated" or mode in ("offline", "dryrun", "disabled")

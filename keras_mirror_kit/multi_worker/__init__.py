@@ -8,9 +8,9 @@
   (`--max-restarts`) and reaps them.
 * `gpus` (standard library only): which GPUs are visible (`visible_gpus`), for both.
 
-This module holds the names both sides share (the launcher's ready file; `SyncedCheckpoint`'s
-exit status on a stop signal, which the launcher reads) and imports nothing, so the
-launcher starts fast.
+This module holds the names both sides share (the launcher's ready file and network mode;
+`SyncedCheckpoint`'s exit status on a stop signal, which the launcher reads; the security
+page both name) and imports nothing, so the launcher starts fast.
 
 Example:
 
@@ -22,12 +22,20 @@ READY_FILE_ENV  # 'KMK_LAUNCH_READY_FILE'
 
 from __future__ import annotations
 
-__all__ = ["PREEMPTED_EXIT_CODE", "READY_FILE_ENV"]
+__all__ = ["NETWORK_ENV", "PREEMPTED_EXIT_CODE", "READY_FILE_ENV", "SECURITY_DOCS_URL"]
 
 #: Set by `launch` for each worker: the file a worker creates once its strategy has joined
 #: the cluster (`cluster.create_strategy`), so the launcher can tell a worker that never
 #: joined from one that failed later.
 READY_FILE_ENV = "KMK_LAUNCH_READY_FILE"
+
+#: Set by `launch` for each worker: `isolated` (the workers share a network namespace of
+#: their own) or `host` (this host's network; the launcher has warned). With it set,
+#: `distributed()` does not log its own warning about servers listening on all interfaces.
+NETWORK_ENV = "KMK_LAUNCH_NETWORK"
+
+#: What a training job exposes, and how to secure a cluster's network.
+SECURITY_DOCS_URL = "https://keras-mirror-kit.github.io/keras-mirror-kit/security/"
 
 PREEMPTED_EXIT_CODE = 75
 """The exit status of a process whose `fit()` saved its state on a stop signal.

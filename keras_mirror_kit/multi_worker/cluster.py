@@ -16,6 +16,10 @@ once the whole cluster has connected.
 Under Slurm, `srun` with more than one task (`SLURM_STEP_NUM_TASKS` > 1) and no
 `TF_CONFIG` is a cluster too: `slurm_cluster_resolver` builds TensorFlow's
 `SlurmClusterResolver` from the step's variables, keeping the GPUs Slurm gave each task.
+
+Every task's TensorFlow server listens on all interfaces of its host: the chief says so once,
+at WARNING, unless `keras-mirror-kit launch` isolated the cluster or warned itself (see
+`exposure`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_mirror_kit.multi_worker import READY_FILE_ENV
+from keras_mirror_kit.multi_worker.exposure import warn_exposed_servers
 from keras_mirror_kit.multi_worker.gpus import GPU_ENV, visible_gpus
 from keras_mirror_kit.validation import non_negative_number
 
@@ -490,6 +495,7 @@ def create_strategy(
         source = type(cluster_resolver).__name__
     if config is not None and config.address is not None and config.num_workers > 1:
         _check_port_free(config.address)
+        warn_exposed_servers(config.cluster, chief=config.rank == 0)
     if config is None or config.num_workers <= 1:
         logger.info(
             "keras-mirror-kit: MultiWorkerMirroredStrategy with a single worker (%s "

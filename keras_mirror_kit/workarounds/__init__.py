@@ -24,6 +24,14 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
   `ops.cond`) and keeps per-replica accumulators. Upstream: keras-team/keras#20582. Remove
   when `tests/test_gradient_accumulation.py::
   test_plain_keras_accumulation_still_fails_under_mirrored_strategy` fails.
+* `keras_gradient_clipping`: `clipnorm`, `global_clipnorm` and `clipvalue` clip each
+  replica's gradient before the all-reduce (up to N times the threshold). Upstream:
+  tensorflow/tensorflow#33929 (tf.keras 2 refused it). Remove when
+  `tests/test_optimizer_options.py::test_plain_keras_still_clips_each_replica` fails.
+* `keras_ema_overwrite`: `use_ema=True` with `ema_overwrite_frequency` fails under any
+  strategy (`merge_call` in `ops.cond`). No upstream report found. Remove when
+  `tests/test_optimizer_options.py::
+  test_plain_keras_ema_overwrite_still_fails_under_a_strategy` fails.
 * `keras_epoch_rounding`: epochs and evaluations rounded up to a multiple of
   `steps_per_execution`. No upstream report found (see the module). Remove when Keras
   truncates the last execution as `compile()` documents.

@@ -23,11 +23,12 @@ build are untouched), replaces `_backend_apply_gradients` of the optimizer that 
 (the inner optimizer of a `LossScaleOptimizer`). On every micro-batch, in replica context
 and outside any conditional, it all-reduces (sums) the replicas' gradients into the
 micro-batch's global gradient and computes what an update would apply: the mean of the
-accumulated and the current global gradients over N, clipped as Keras clips
-(`_clip_gradients`). Whether this micro-batch completes an update is read from the mirrored
-step counter, so every replica decides alike. Then a `merge_call` (cross-replica context,
-where a conditional may choose between branches) updates each device's copy of each
-variable with `extended.update`:
+accumulated and the current global gradients over N, clipped as Keras clips (the class's
+`_clip_gradients`: `keras_gradient_clipping` makes the instance's the identity, since it
+clips after Keras' own all-reduce, which this path does not use). Whether this micro-batch
+completes an update is read from the mirrored step counter, so every replica decides alike.
+Then a `merge_call` (cross-replica context, where a conditional may choose between branches)
+updates each device's copy of each variable with `extended.update`:
 
 * a micro-batch that does not complete an update adds its global gradient to the
   accumulator, so every copy holds the same value, the sum of the global gradients so far,
@@ -182,9 +183,10 @@ def _install(optimizer: Any) -> None:
         # The only synchronisation, outside any conditional: the micro-batch's global gradient.
         reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
         # What an update would apply: the mean of the N micro-batches' global gradients,
-        # clipped as Keras clips (computed on every micro-batch, used on the N-th).
+        # clipped as Keras clips (computed on every micro-batch, used on the N-th). The
+        # class's method: the instance's may defer clipping to an all-reduce not used here.
         total = [(r + tf.cast(a.value, r.dtype)) / steps for r, a in zip(reduced, accumulators)]
-        total = optimizer._clip_gradients(total)  # noqa: SLF001
+        total = type(optimizer)._clip_gradients(optimizer, total)  # noqa: SLF001
         # Decided in replica context (every replica decides alike: the counter is mirrored);
         # tensors made in the cross-replica function cannot feed control flow inside
         # `steps_per_execution`'s loop.

@@ -15,9 +15,21 @@ compiles as Python) runs as `sys.executable -u script args...`; `-m module` as
 `sys.executable -u -m module args...`; an executable file or a program on `PATH` runs as
 the command itself (`python3 train.py`, `./run.sh`). Anything else is refused before any
 worker starts. Each worker gets a `TF_CONFIG` naming N workers on free 127.0.0.1 ports
-(found by binding port 0) and its own `task.index`, so `kmk.distributed()` picks
-`MultiWorkerMirroredStrategy` without a code change. Every line a worker writes is
-relayed with a `[worker i] ` prefix (stdout to stdout, stderr to stderr).
+(found by binding port 0, where the workers will bind them) and its own `task.index`, so
+`kmk.distributed()` picks `MultiWorkerMirroredStrategy` without a code change. Every line
+a worker writes is relayed with a `[worker i] ` prefix (stdout to stdout, stderr to
+stderr).
+
+TensorFlow's server in each worker listens on all interfaces and runs any graph it is
+sent, so by default (`--network auto`) the workers of an attempt run, on Linux, in one
+network namespace of their own with only a loopback interface (see `isolation`); where the
+host refuses that, they run on this host's network after one WARNING that names the ports.
+`--network isolated` refuses to start without the namespace; `--network host` opts out
+(workers that need the network: W&B online, remote data), with the same WARNING. Each
+worker gets `KMK_LAUNCH_NETWORK=isolated` or `host`, and `distributed()` then leaves the
+warning to the launcher. For tests only, `KMK_LAUNCH_TEST_NAMESPACES=refuse` in the
+launcher's environment acts as a host that refuses namespaces, `=user` makes a user
+namespace even as root.
 
 TensorFlow does not bound how long a worker waits for its peers, so the launcher does: a
 worker is *ready* once its strategy exists (the kit creates the file named by
@@ -61,15 +73,17 @@ GPUs split evenly) sets `CUDA_VISIBLE_DEVICES` per worker (see `visible_gpus` an
 `assign_gpus`); `--memory-growth` sets `TF_FORCE_GPU_ALLOW_GROWTH=true` in every worker.
 
 The parts: `options` (the command line and its checks), `targets` (what a worker runs),
-`environment` (ports, `TF_CONFIG`, GPUs and variables of each worker), `workers` (one
-worker process: start, output relay, exit), `orphan_guard` (the parent-death signal and
-the watchdog), `group` (the N workers of one attempt: start, watch, stop, report) and
-`supervisor` (`main`: signals and restarts). The package uses only the standard library
-(it never imports TensorFlow).
+`environment` (ports, `TF_CONFIG`, GPUs and variables of each worker), `isolation` (the
+workers' network namespace, or the warning), `workers` (one worker process: start, output
+relay, exit), `wrapper` (each worker's first program: the parent-death signal, entering
+the namespace), `orphan_guard` (the watchdog, and the switches of both), `group` (the N
+workers of one attempt: start, watch, stop, report) and `supervisor` (`main`: signals and
+restarts). The package uses only the standard library (it never imports TensorFlow).
 """
 
 from __future__ import annotations
 
+from keras_mirror_kit.multi_worker import NETWORK_ENV as NETWORK_ENV
 from keras_mirror_kit.multi_worker import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from keras_mirror_kit.multi_worker import READY_FILE_ENV as READY_FILE_ENV
 from keras_mirror_kit.multi_worker.gpus import GPU_ENV as GPU_ENV
@@ -91,6 +105,9 @@ from keras_mirror_kit.multi_worker.launch.errors import EXIT_TIMEOUT as EXIT_TIM
 from keras_mirror_kit.multi_worker.launch.errors import EXIT_USAGE as EXIT_USAGE
 from keras_mirror_kit.multi_worker.launch.errors import PROG as PROG
 from keras_mirror_kit.multi_worker.launch.errors import LaunchError
+from keras_mirror_kit.multi_worker.launch.isolation import (
+    TEST_NAMESPACES_ENV as TEST_NAMESPACES_ENV,
+)
 from keras_mirror_kit.multi_worker.launch.orphan_guard import NO_PDEATHSIG_ENV as NO_PDEATHSIG_ENV
 from keras_mirror_kit.multi_worker.launch.orphan_guard import NO_WATCHDOG_ENV as NO_WATCHDOG_ENV
 from keras_mirror_kit.multi_worker.launch.supervisor import main

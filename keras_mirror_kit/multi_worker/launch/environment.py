@@ -6,7 +6,7 @@ import json
 import socket
 from collections.abc import Sequence
 
-from keras_mirror_kit.multi_worker import READY_FILE_ENV
+from keras_mirror_kit.multi_worker import NETWORK_ENV, READY_FILE_ENV
 from keras_mirror_kit.multi_worker.gpus import GPU_ENV
 from keras_mirror_kit.multi_worker.launch.errors import LaunchError
 
@@ -156,6 +156,7 @@ def worker_environment(
     gpus: Sequence[str] | None = None,
     memory_growth: bool = False,
     restart_count: int = 0,
+    network: str | None = None,
 ) -> dict[str, str]:
     """The environment of worker `index`: `base` plus TF_CONFIG and the launcher's variables.
 
@@ -170,6 +171,8 @@ def worker_environment(
             allocates GPU memory as needed instead of taking it all at start-up).
         restart_count: How many times the group was restarted before this attempt
             (`--max-restarts`), set as `KMK_LAUNCH_RESTART_COUNT`.
+        network: `"isolated"` (the workers share a network namespace of their own) or
+            `"host"`, set as `KMK_LAUNCH_NETWORK`; None leaves it as in `base`.
 
     Returns:
         A new dict.
@@ -194,4 +197,6 @@ def worker_environment(
         env[GPU_ENV] = ",".join(gpus) if gpus else "-1"
     if memory_growth:
         env[MEMORY_GROWTH_ENV] = "true"
+    if network is not None:
+        env[NETWORK_ENV] = network
     return env

@@ -24,6 +24,7 @@ from keras_mirror_kit.multi_worker.launch.environment import (
     worker_environment,
 )
 from keras_mirror_kit.multi_worker.launch.errors import EXIT_FAILED, EXIT_TIMEOUT, PROG
+from keras_mirror_kit.multi_worker.launch.isolation import Namespace, NetworkPlan
 from keras_mirror_kit.multi_worker.launch.orphan_guard import Watchdog
 from keras_mirror_kit.multi_worker.launch.workers import (
     Relay,
@@ -57,8 +58,10 @@ class Group:
         err: IO[str],
         attempt: int = 0,
         deadline: float | None = None,
+        network: NetworkPlan | None = None,
     ) -> None:
         self.args = args
+        self.network = network or NetworkPlan(getattr(args, "network", "auto"))
         self.out, self.err = out, err
         self.attempt = attempt  # restarts before this attempt
         self.deadline = deadline  # time.monotonic() of --timeout, over all attempts
@@ -72,8 +75,16 @@ class Group:
         self.relay.write(self.err, f"{PROG}: {text}")
 
     def start(self) -> None:
+        namespace = self.network.namespace(self.args.nproc)
+        try:
+            self._start(namespace)
+        finally:
+            if namespace is not None:  # each worker holds it now (see isolation)
+                namespace.close()
+
+    def _start(self, namespace: Namespace | None) -> None:
         n = self.args.nproc
-        ports = free_ports(n)
+        ports = namespace.ports if namespace is not None else free_ports(n)
         if self.args.startup_timeout and n > 1:  # one worker has no peer to wait for
             self.ready_dir = tempfile.mkdtemp(prefix="kmk-launch-")
         command = list(self.args.command)
@@ -90,10 +101,18 @@ class Group:
         attempt = ""
         if self.args.max_restarts:
             attempt = f"attempt {self.attempt + 1} of {self.args.max_restarts + 1}: "
+        where = (
+            " (this host's network)"
+            if namespace is None
+            else " in a network namespace of their own (loopback only)"
+        )
         self.note(
             f"{attempt}starting {n} worker(s) on 127.0.0.1 ports {', '.join(map(str, ports))}"
-            f"{placement}: {shlex.join(shown)}"
+            f"{where}{placement}: {shlex.join(shown)}"
         )
+        warning = self.network.warning(ports) if namespace is None else None
+        if warning is not None:
+            self.note(warning)
         self.watchdog = Watchdog()
         for index in range(n):
             ready = os.path.join(self.ready_dir, f"ready-{index}") if self.ready_dir else None
@@ -105,8 +124,10 @@ class Group:
                 gpus=None if gpus is None else gpus[index],
                 memory_growth=self.args.memory_growth,
                 restart_count=self.attempt,
+                network="host" if namespace is None else "isolated",
             )
-            worker = start_worker(index, command, env, ready)
+            joins = namespace.joins if namespace is not None else ()
+            worker = start_worker(index, command, env, ready, joins)
             process = worker.process
             self.watchdog.guard(process.pid)  # the group's id
             self.workers.append(worker)

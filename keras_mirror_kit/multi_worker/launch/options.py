@@ -10,6 +10,7 @@ from keras_mirror_kit.multi_worker import PREEMPTED_EXIT_CODE
 from keras_mirror_kit.multi_worker.gpus import visible_gpus
 from keras_mirror_kit.multi_worker.launch.environment import assign_gpus
 from keras_mirror_kit.multi_worker.launch.errors import PROG, LaunchError
+from keras_mirror_kit.multi_worker.launch.isolation import NETWORK_CHOICES
 from keras_mirror_kit.multi_worker.launch.targets import resolve_target
 
 FINISH_WINDOW_S = 30.0
@@ -23,6 +24,7 @@ _VALUE_OPTIONS = (
     "--finish-window",
     "--gpus-per-worker",
     "--max-restarts",
+    "--network",
 )
 _FLAG_OPTIONS = ("-m", "--memory-growth", "-h", "--help")
 
@@ -37,7 +39,8 @@ def _build_parser() -> argparse.ArgumentParser:
         ),
         description=(
             "Start N local worker processes of a training script or command, each with a "
-            "TF_CONFIG for a MultiWorkerMirroredStrategy cluster on 127.0.0.1. If one "
+            "TF_CONFIG for a MultiWorkerMirroredStrategy cluster on 127.0.0.1, in a network "
+            "namespace of their own where the host allows it (--network). If one "
             "fails, the others are stopped and the launcher exits non-zero. A Python "
             "script (a .py file, or a file that is Python source) runs on this "
             "launcher's Python; a command (a program on PATH or an executable file, as "
@@ -51,6 +54,7 @@ def _build_parser() -> argparse.ArgumentParser:
             f"  {PROG} -n 2 -m my_package.train --epochs 10\n"
             f"  {PROG} -n 4 --gpus-per-worker 2 --memory-growth train.py   # 8 GPUs\n"
             f"  {PROG} -n 2 --max-restarts 3 train.py   # restart all after a failure\n"
+            f"  {PROG} -n 2 --network host train.py     # workers on this host's network\n"
             "\n"
             "Options are not abbreviated; everything after `--` goes to the script.\n"
             "The workers never outlive the launcher: SIGINT, SIGTERM and SIGHUP stop them,\n"
@@ -112,6 +116,16 @@ def _build_parser() -> argparse.ArgumentParser:
         f"{PREEMPTED_EXIT_CODE} after a save on a stop signal) or does not join, stop the "
         "others and start all N again on new ports, up to K times; the script resumes "
         "from its SyncedCheckpoint (default 0: no restart)",
+    )
+    parser.add_argument(
+        "--network",
+        choices=NETWORK_CHOICES,
+        default="auto",
+        help="auto (default): on Linux, run the workers in a private network namespace "
+        "(loopback only: their TensorFlow servers, which listen on all interfaces and run "
+        "any graph they are sent, exist nowhere else), else on this host's network with a "
+        "warning; isolated: the same, but refuse to start without the namespace; host: this "
+        "host's network, e.g. for W&B online or remote data (warns)",
     )
     parser.add_argument(
         "--memory-growth",

@@ -12,6 +12,7 @@ from typing import Any
 
 from keras_mirror_kit.multi_worker.launch.errors import EXIT_USAGE, PROG, LaunchError
 from keras_mirror_kit.multi_worker.launch.group import Group, Outcome
+from keras_mirror_kit.multi_worker.launch.isolation import NetworkPlan
 from keras_mirror_kit.multi_worker.launch.options import parse, validate
 
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:
         code = exit_.code
         return code if isinstance(code, int) else EXIT_USAGE
-    state = _LaunchState()
+    state = _LaunchState(network=NetworkPlan(args.network))
     previous: dict[int, Any] = {}
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -89,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
 @dataclass
 class _LaunchState:
-    """What the launcher's signal handler sets: the signal, and the group to stop."""
+    """The launch's network plan, and what its signal handler sets: the signal, the group."""
 
+    network: NetworkPlan
     signal: int | None = None
     group: Group | None = None
 
@@ -99,7 +101,9 @@ def _run_attempt(
     args: argparse.Namespace, state: _LaunchState, attempt: int, deadline: float | None
 ) -> Outcome:
     """Starts the workers once, watches them to their end, and stops what is left."""
-    group = Group(args, sys.stdout, sys.stderr, attempt=attempt, deadline=deadline)
+    group = Group(
+        args, sys.stdout, sys.stderr, attempt=attempt, deadline=deadline, network=state.network
+    )
     group.stop_signal = state.signal
     state.group = group
     try:

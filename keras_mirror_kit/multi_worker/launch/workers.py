@@ -9,11 +9,12 @@ import os
 import signal
 import subprocess
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
 from keras_mirror_kit.multi_worker import PREEMPTED_EXIT_CODE
-from keras_mirror_kit.multi_worker.launch.orphan_guard import with_parent_death_signal
+from keras_mirror_kit.multi_worker.launch.wrapper import wrapped_command
 
 TAIL_LINES = 20
 
@@ -47,12 +48,20 @@ class Worker:
 
 
 def start_worker(
-    index: int, command: list[str], env: dict[str, str], ready_file: str | None
+    index: int,
+    command: list[str],
+    env: dict[str, str],
+    ready_file: str | None,
+    joins: Sequence[tuple[int, int]] = (),
 ) -> Worker:
-    """Starts worker `index` in a process group of its own, its output on pipes."""
+    """Starts worker `index` in a process group of its own, its output on pipes.
+
+    `joins`: the (descriptor, namespace type) pairs of the namespace it enters first.
+    """
     process = subprocess.Popen(
-        with_parent_death_signal(command, env),
+        wrapped_command(command, env, joins),
         env=env,
+        pass_fds=[fd for fd, _ in joins],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import keras
@@ -43,45 +44,21 @@ def _state_fields(callback: Any) -> tuple[str, ...] | None:
 
 
 def is_stateful(callback: Any) -> bool:
-    """Whether a checkpoint saves the state of `callback`.
-
-    Args:
-        callback: Any callback of the `fit()`.
-
-    Returns:
-        True for a known stateful Keras callback or one with `get_checkpoint_state` and
-        `set_checkpoint_state`.
-
-    Example:
-
-    ```python
-    assert is_stateful(keras.callbacks.EarlyStopping())
-    ```
-    """
+    """Whether a checkpoint saves the state of `callback` (a known stateful Keras callback,
+    or one with `get_checkpoint_state` and `set_checkpoint_state`)."""
     return _has_protocol(callback) or _state_fields(callback) is not None
 
 
 def callback_states(
     tracked: list[tuple[str, Any]], arrays: dict[str, np.ndarray]
 ) -> dict[str, Any]:
-    """The JSON-able state of the tracked callbacks; their NumPy arrays go into `arrays`.
+    """The JSON-able state of each tracked callback by key (`"EarlyStopping#0"`).
 
-    Args:
-        tracked: `(key, callback)` pairs, keys such as `"EarlyStopping#0"`.
-        arrays: The checkpoint's arrays; each array of a state is added under
-            `"callback/<key>/<name>"` (lists of arrays: `"callback/<key>/<name>/<i>"`).
-
-    Returns:
-        The state of each callback by key, arrays replaced by markers.
+    Each NumPy array of a state goes into `arrays` under `"callback/<key>/<name>"` (lists
+    of arrays: `"callback/<key>/<name>/<i>"`), replaced by a marker in the state.
 
     Raises:
         TypeError: When a state value is neither JSON nor NumPy arrays.
-
-    Example:
-
-    ```python
-    meta["callbacks"] = callback_states([("EarlyStopping#0", early_stopping)], arrays)
-    ```
     """
     states: dict[str, Any] = {}
     for key, callback in tracked:
@@ -118,26 +95,12 @@ def callback_states(
 
 
 def apply_callback_states(
-    tracked: list[tuple[str, Any]], states: dict[str, Any], arrays: dict[str, np.ndarray]
+    tracked: list[tuple[str, Any]], states: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
 ) -> None:
     """Gives the tracked callbacks the state a checkpoint saved for them.
 
     A callback without saved state starts afresh, and saved state of a callback no longer
     listed is ignored; both are logged.
-
-    Args:
-        tracked: `(key, callback)` pairs, as given to `callback_states`.
-        states: The saved states by key.
-        arrays: The checkpoint's arrays.
-
-    Returns:
-        None.
-
-    Example:
-
-    ```python
-    apply_callback_states(tracked, loaded.meta["callbacks"], loaded.arrays)
-    ```
     """
     for key, callback in tracked:
         if key not in states:
@@ -172,21 +135,7 @@ def apply_callback_states(
 
 
 def best_weights_restored(tracked: list[tuple[str, Any]]) -> bool:
-    """Whether an `EarlyStopping` among the tracked callbacks puts its best weights back.
-
-    Args:
-        tracked: `(key, callback)` pairs.
-
-    Returns:
-        True when one has `restore_best_weights` and holds best weights.
-
-    Example:
-
-    ```python
-    if best_weights_restored(tracked):
-        ...  # the final weights are not those of the last epoch: save them again
-    ```
-    """
+    """Whether an `EarlyStopping` among the tracked callbacks puts its best weights back."""
     return any(
         isinstance(c, keras.callbacks.EarlyStopping)
         and c.restore_best_weights

@@ -1,32 +1,45 @@
-"""Resuming a `fit()`: which checkpoint, where to go on, whether the data still matches."""
+"""Resuming a `fit()`: which checkpoint, where to go on, whether the data still matches.
+
+`restore_latest` restores the newest usable checkpoint into the model and returns the
+`ResumePlan` of the starting `fit()`; `mid_epoch_skip` decides whether a checkpoint
+written mid-epoch resumes exactly (`MidEpochSkip`), and `data_description` records what
+it compares.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror_kit.callbacks.synced_checkpoint.state import apply_state
-from keras_mirror_kit.checkpoint_store import CheckpointError, CheckpointStore, LoadedCheckpoint
+from keras_mirror_kit.checkpoint.meta import CheckpointMeta, DataDescription
+from keras_mirror_kit.checkpoint.state import apply_state
+from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.data import DatasetCursor
 from keras_mirror_kit.model_record import distribution_of
 
 __all__ = [
-    "Resume",
+    "MidEpochSkip",
+    "ResumePlan",
+    "check_whole_epochs",
     "check_workers_agree",
     "data_description",
     "mid_epoch_skip",
+    "other_dataset_error",
     "restore_latest",
 ]
 
 logger = logging.getLogger("keras_mirror_kit")
 
 
-class Resume(NamedTuple):
-    """Where a `fit()` goes on from, as found by `restore_latest`.
+@dataclass(frozen=True)
+class ResumePlan:
+    """Where a `fit()` goes on from, as `restore_latest` found it (all unset: from scratch).
 
     Attributes:
         restored: The checkpoint whose state was restored, or None.
@@ -39,22 +52,35 @@ class Resume(NamedTuple):
         fit_index: The number the starting `fit()` takes as its own, when it resumes the
             unfinished checkpoint of a later `fit()` with the same `epochs` (a rerun of
             that stage alone), else None.
-
-    Example:
-
-    ```python
-    resume = restore_latest(store, model, cursor, fit_index=0, epochs=10, strict=False,
-                            directory=store.directory)
-    model._initial_epoch = resume.initial_epoch
-    ```
+        fit_history: With `fit_index`, the `epochs` of the script's `fit()` calls before
+            that one, as the checkpoint records them.
     """
 
     restored: LoadedCheckpoint | None = None
     initial_epoch: int | None = None
     epoch: int | None = None
     skip: int = 0
-    callback_states: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None
+    callback_states: tuple[Mapping[str, Any], Mapping[str, np.ndarray]] | None = None
     fit_index: int | None = None
+    fit_history: tuple[int | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class MidEpochSkip:
+    """Whether a checkpoint written mid-epoch resumes exactly, as `mid_epoch_skip` found.
+
+    Attributes:
+        skip: Batches of the saved epoch to skip now, or None when an exact resume is
+            impossible.
+        reason: Why it is impossible.
+        data_changed: Whether that is because the data no longer matches the checkpoint
+            (another number of samples, epoch length or seed): `strict=True` refuses then.
+    """
+
+    skip: int | None = None
+    reason: str = ""
+    data_changed: bool = False
+    fix: str = ""  # what makes the next run resume exactly
 
 
 def restore_latest(
@@ -66,7 +92,7 @@ def restore_latest(
     epochs: int | None,
     strict: bool,
     directory: str | os.PathLike[str],
-) -> Resume:
+) -> ResumePlan:
     """Restores the newest usable checkpoint into `model` and says where the `fit()` goes on.
 
     A checkpoint written by an earlier `fit()` of the script is left alone (the model went
@@ -79,30 +105,14 @@ def restore_latest(
     else from the newest checkpoint written at an epoch boundary. The cursor adopts the
     checkpoint's data seed when the dataset's seed was drawn at random.
 
-    Args:
-        store: The checkpoint directory.
-        model: The model being fit (its optimizer built).
-        cursor: The cursor of `SyncedCheckpoint(dataset=)`, or None.
-        fit_index: How many `fit()` calls of this script on `model` completed with this
-            directory before the one starting.
-        epochs: The `epochs` of the starting `fit()`, or None.
-        strict: Refuse instead of falling back to an epoch boundary when the data no
-            longer matches a mid-epoch checkpoint.
-        directory: The checkpoint directory, for messages.
-
-    Returns:
-        The `Resume` (all None and 0 when nothing was restored).
+    `fit_index` is how many `fit()` calls of this script on `model` completed with this
+    directory before the one starting, `epochs` the starting one's; `strict` refuses
+    instead of falling back to an epoch boundary when the data no longer matches a
+    mid-epoch checkpoint.
 
     Raises:
         CheckpointError: When the checkpoint was written by another model or optimizer,
             or (with `strict=True`) when the data no longer matches a mid-epoch checkpoint.
-
-    Example:
-
-    ```python
-    resume = restore_latest(store, model, None, fit_index=0, epochs=10, strict=False,
-                            directory=store.directory)
-    ```
     """
     had_any = bool(store.entries())
     newest = store.load_latest() if had_any else None
@@ -112,12 +122,12 @@ def restore_latest(
                 "keras-mirror-kit: no usable checkpoint in %s; training from the start",
                 directory,
             )
-        return Resume()
+        return ResumePlan()
     meta, k = newest.meta, fit_index
-    written_by = int(meta.get("fit_index", k))  # v1 files: the running fit
+    written_by = k if meta.fit_index is None else meta.fit_index  # older files: this fit
     if written_by < k:
         # An earlier fit() of this process wrote it, and the model went on from there.
-        return Resume()
+        return ResumePlan()
     if written_by > k and _unfinished_with(meta, epochs) and not _same_fit(meta, k, epochs):
         # The stage that wrote it is rerun alone (earlier fit() calls commented out, a
         # notebook cell after a kernel restart): it is this fit()'s own checkpoint.
@@ -128,39 +138,44 @@ def restore_latest(
             "own and resumes it",
             newest.path,
             written_by + 1,
-            meta.get("fit_epochs"),
-            meta.get("epoch"),
+            meta.fit_epochs,
+            meta.epoch,
             k + 1,
         )
         k = written_by
-    elif written_by > k or (
-        meta.get("stopped") and meta.get("fit_epochs") == epochs and epochs is not None
-    ):
+    elif written_by > k or (meta.stopped and meta.fit_epochs == epochs and epochs is not None):
         return _restore_finished(model, newest, written_by > k, epochs, directory)
     loaded, skip = newest, 0
-    if not meta.get("epoch_end"):
-        reason = mid_epoch_skip(meta, cursor, model)
-        if isinstance(reason, int):
-            skip = reason
+    if not meta.epoch_end:
+        found = mid_epoch_skip(meta, cursor, model)
+        if found.skip is not None:
+            skip = found.skip
         else:
-            if reason.startswith("!"):  # the data no longer matches the checkpoint
-                reason = reason[1:]
+            if found.data_changed:
                 if strict:
                     raise CheckpointError(
                         f"The checkpoint {str(newest.path)!r} was written mid-epoch, and "
-                        f"{reason}, so the position cannot be carried over. Restore "
+                        f"{found.reason}, so the position cannot be carried over. Restore "
                         "the data the run was started with, or pass strict=False to "
                         "resume from the newest epoch boundary. Received: strict=True"
                     )
                 logger.warning(
                     "keras-mirror-kit: %s, so the resume starts at the newest epoch "
                     "boundary, not mid-epoch",
-                    reason,
+                    found.reason,
                 )
-            else:
-                logger.info(
-                    "keras-mirror-kit: %s, so the resume starts at the newest epoch boundary",
-                    reason,
+            else:  # exact resume impossible by construction: say what it costs, and the fix
+                logger.warning(
+                    "keras-mirror-kit: the checkpoint %s was written mid-epoch (epoch %d, "
+                    "batch %d), but %s, so the resume starts at the newest epoch boundary: "
+                    "epoch %d is trained again from its start, and a pipeline that reshuffles "
+                    "each epoch ends elsewhere than an uninterrupted run would. %s",
+                    newest.path,
+                    meta.epoch,
+                    meta.step,
+                    found.reason,
+                    meta.epoch,
+                    found.fix,
                 )
             loaded = store.load_latest(require_epoch_end=True)
     if loaded is None:
@@ -168,51 +183,57 @@ def restore_latest(
             "keras-mirror-kit: no usable checkpoint in %s; training from the start",
             directory,
         )
-        return Resume()
+        return ResumePlan()
     apply_state(model, loaded, directory)
     meta = loaded.meta
-    epoch = int(meta["epoch"])
-    if int(meta.get("fit_index", k)) < k:  # the final state of the previous fit()
+    epoch = meta.epoch
+    taken = _taken_fit(meta, k) if k != fit_index else {}
+    if (k if meta.fit_index is None else meta.fit_index) < k:  # the previous fit()'s end
         logger.info(
             "keras-mirror-kit: restored %s, the end of the previous fit(); this fit() "
             "starts at its own first epoch",
             loaded.path,
         )
-        return Resume(restored=loaded, fit_index=k if k != fit_index else None)
+        return ResumePlan(restored=loaded, **taken)
     _adopt_seed(cursor, meta)
     logger.info(
         "keras-mirror-kit: resumed from %s (epoch %d, batch %d, saved with %s replica(s))",
         loaded.path,
         epoch,
         skip,
-        meta.get("num_replicas"),
+        meta.num_replicas,
     )
-    return Resume(
+    return ResumePlan(
         restored=loaded,
         initial_epoch=epoch,
         epoch=epoch if skip else None,
         skip=skip,
-        callback_states=(meta.get("callbacks") or {}, loaded.arrays),
-        fit_index=k if k != fit_index else None,
+        callback_states=(meta.callbacks, loaded.arrays),
+        **taken,
     )
 
 
-def _same_fit(meta: dict[str, Any], k: int, epochs: int | None) -> bool:
+def _taken_fit(meta: CheckpointMeta, k: int) -> dict[str, Any]:
+    """`fit_index` and `fit_history` of a `fit()` that takes a later stage's number `k`."""
+    history = list(meta.script_fit_epochs or [None] * k)[:k]
+    return {"fit_index": k, "fit_history": tuple(history)}
+
+
+def _same_fit(meta: CheckpointMeta, k: int, epochs: int | None) -> bool:
     """Whether fit() number `k` of the script that wrote `meta` had these `epochs` too.
 
     Then this fit() may be that one in a full rerun of the script, and taking a later
     stage's checkpoint as its own would be wrong: the rerun goes stage by stage instead.
     """
-    history = meta.get("script_fit_epochs")
-    return isinstance(history, list) and k < len(history) and history[k] == epochs
+    history = meta.script_fit_epochs
+    return history is not None and k < len(history) and history[k] == epochs
 
 
-def _unfinished_with(meta: dict[str, Any], epochs: int | None) -> bool:
+def _unfinished_with(meta: CheckpointMeta, epochs: int | None) -> bool:
     """Whether a checkpoint's fit() had the given `epochs` and neither ended nor was stopped."""
-    fit_epochs = meta.get("fit_epochs")
-    if epochs is None or fit_epochs is None or int(fit_epochs) != int(epochs):
+    if epochs is None or meta.fit_epochs is None or meta.fit_epochs != int(epochs):
         return False
-    return not meta.get("stopped") and int(meta.get("epoch", 0)) < int(fit_epochs)
+    return not meta.stopped and meta.epoch < meta.fit_epochs
 
 
 def _restore_finished(
@@ -221,7 +242,7 @@ def _restore_finished(
     later_fit: bool,
     epochs: int | None,
     directory: str | os.PathLike[str],
-) -> Resume:
+) -> ResumePlan:
     """This fit() had finished in the earlier run: its state, and no training."""
     restored = None
     try:
@@ -247,9 +268,9 @@ def _restore_finished(
             "to train (a stage rerun alone with other epochs, or a new run), use a new "
             "checkpoint directory",
             loaded.path,
-            int(meta["fit_index"]) + 1,
-            meta.get("fit_epochs"),
-            meta.get("epoch"),
+            (meta.fit_index or 0) + 1,
+            meta.fit_epochs,
+            meta.epoch,
             epochs,
             "restored" if restored is not None else "left for that later fit()",
         )
@@ -257,17 +278,17 @@ def _restore_finished(
         logger.info(
             "keras-mirror-kit: this fit() had been stopped at epoch %s (epochs=%s) by a "
             "callback's request; training nothing",
-            meta.get("epoch"),
-            meta.get("fit_epochs"),
+            meta.epoch,
+            meta.fit_epochs,
         )
-    return Resume(restored=restored, initial_epoch=max(int(epochs or 0), 1))
+    return ResumePlan(restored=restored, initial_epoch=max(int(epochs or 0), 1))
 
 
-def _adopt_seed(cursor: DatasetCursor | None, meta: dict[str, Any]) -> None:
+def _adopt_seed(cursor: DatasetCursor | None, meta: CheckpointMeta) -> None:
     """Takes the checkpoint's data seed when the dataset's was drawn at random."""
-    if cursor is None or meta.get("data_seed") is None:
+    saved_seed = meta.data.seed
+    if cursor is None or saved_seed is None:
         return
-    saved_seed = int(meta["data_seed"])
     if not cursor.seed_given:
         cursor.set_seed(saved_seed)  # a seed drawn at random: the run's own
     elif saved_seed != cursor.seed:
@@ -295,102 +316,111 @@ def _steps_per_execution(model: Any) -> int:
 
 def data_description(
     model: Any, cursor: DatasetCursor | None, epoch_length: int | None
-) -> dict[str, Any]:
-    """The description of the data a checkpoint records, for `mid_epoch_skip` to compare.
+) -> DataDescription:
+    """What a checkpoint records of the data, for `mid_epoch_skip` to compare.
 
-    Args:
-        model: The model being fit.
-        cursor: The cursor of `SyncedCheckpoint(dataset=)`, or None.
-        epoch_length: Batches per epoch, or None when unknown.
-
-    Returns:
-        The metadata entries `global_batch_size`, `epoch_length`, `steps_per_execution`,
-        `data_seed` and `data_samples` (the samples the epoch's order permutes), in that
-        order.
-
-    Example:
-
-    ```python
-    meta = {"epoch": 3, "step": 40, **data_description(model, cursor, 60)}
-    ```
+    `cursor` is that of `SyncedCheckpoint(dataset=)` (or None), `epoch_length` the
+    batches per epoch (None when unknown).
     """
-    return {
-        "global_batch_size": _global_batch_size(model),
-        "epoch_length": epoch_length,
-        "steps_per_execution": _steps_per_execution(model),
-        "data_seed": cursor.seed if cursor is not None else None,
-        "data_samples": cursor.num_samples if cursor is not None else None,
-    }
+    return DataDescription(
+        global_batch_size=_global_batch_size(model),
+        epoch_length=epoch_length,
+        steps_per_execution=_steps_per_execution(model),
+        seed=cursor.seed if cursor is not None else None,
+        samples=cursor.num_samples if cursor is not None else None,
+    )
 
 
-def mid_epoch_skip(meta: dict[str, Any], cursor: DatasetCursor | None, model: Any) -> int | str:
+def mid_epoch_skip(meta: CheckpointMeta, cursor: DatasetCursor | None, model: Any) -> MidEpochSkip:
     """Batches of the saved epoch to skip now, or why an exact resume is impossible.
 
     The order is a permutation of samples, so consumed *samples* carry over to another
     global batch size (another replica count) when they fill whole new batches.
-
-    Args:
-        meta: The metadata of a checkpoint written mid-epoch.
-        cursor: The cursor of `SyncedCheckpoint(dataset=)`, or None.
-        model: The model being fit.
-
-    Returns:
-        The number of batches to skip, or the reason as a string; a reason starting with
-        `"!"` means the data no longer matches the checkpoint (another number of samples,
-        epoch length or seed).
-
-    Example:
-
-    ```python
-    skip = mid_epoch_skip(loaded.meta, kmk.cursor_of(train_ds), model)
-    ```
     """
     if cursor is None:
-        return "the checkpoint was written mid-epoch and SyncedCheckpoint has no dataset="
+        return MidEpochSkip(
+            reason="SyncedCheckpoint was given no dataset=",
+            fix="For an exact mid-epoch resume, build the training data with the kit "
+            "(kmk.make_dataset, kmk.image_dataset_from_directory, ...) and pass the same "
+            "object to fit() and to SyncedCheckpoint(directory, dataset=train_ds).",
+        )
     per_execution = _steps_per_execution(model)
     if cursor.num_batches % per_execution:
-        return (
-            f"{cursor.num_batches} batches per epoch is not a multiple of "
-            f"steps_per_execution={per_execution}"
+        return MidEpochSkip(
+            reason=f"{cursor.num_batches} batches per epoch is not a multiple of "
+            f"steps_per_execution={per_execution}",
+            fix="Choose a batch size or steps_per_execution whose epoch is a whole number "
+            "of executions.",
         )
-    step, saved_batch = int(meta["step"]), meta.get("global_batch_size")
-    saved_length = meta.get("epoch_length")
-    batch = _global_batch_size(model)
-    saved_samples, samples = meta.get("data_samples"), cursor.num_samples
-    if saved_samples is not None and samples is not None and int(saved_samples) != samples:
+    saved, step, batch = meta.data, meta.step, _global_batch_size(model)
+    samples = cursor.num_samples
+    if saved.samples is not None and samples is not None and saved.samples != samples:
         # Fewer samples than a batch apart give the same batches, but another permutation.
-        return (
-            f"!the dataset holds {samples} samples now but held {int(saved_samples)} at save time"
+        return _data_changed(
+            f"the dataset holds {samples} samples now but held {saved.samples} at save time"
         )
-    if saved_length is not None:
-        if saved_batch is not None and batch is not None:
-            before, now = int(saved_length) * int(saved_batch), cursor.num_batches * batch
-            unit = "samples"
+    if saved.epoch_length is not None:
+        if saved.global_batch_size is not None and batch is not None:
+            before = saved.epoch_length * saved.global_batch_size
+            now, unit = cursor.num_batches * batch, "samples"
         else:
-            before, now, unit = int(saved_length), cursor.num_batches, "batches"
+            before, now, unit = saved.epoch_length, cursor.num_batches, "batches"
         if before != now:
-            return f"!the epoch holds {now} {unit} now but held {before} at save time"
-    if meta.get("data_seed") is not None and cursor.seed_given:
-        if int(meta["data_seed"]) != cursor.seed:
-            return (
-                f"!the dataset's seed {cursor.seed} differs from the checkpoint's "
-                f"{int(meta['data_seed'])} (another order)"
+            return _data_changed(
+                f"the epoch holds {now} {unit} now but held {before} at save time"
             )
+    if saved.seed is not None and cursor.seed_given and saved.seed != cursor.seed:
+        return _data_changed(
+            f"the dataset's seed {cursor.seed} differs from the checkpoint's {saved.seed} "
+            "(another order)"
+        )
+    saved_batch = saved.global_batch_size
     if saved_batch is None or batch is None or saved_batch == batch:
         skip = step  # same batches (a model the kit did not build: assumed unchanged)
     elif (step * saved_batch) % batch:
-        return (
-            f"the {step} batches of {saved_batch} consumed at save time are not a whole "
-            f"number of batches of {batch}"
+        return MidEpochSkip(
+            reason=f"the {step} batches of {saved_batch} consumed at save time are not a "
+            f"whole number of batches of {batch}"
         )
     else:
         skip = step * saved_batch // batch
     if skip % per_execution or skip >= cursor.num_batches:
-        return (
-            f"{skip} consumed batches do not end on a steps_per_execution="
+        return MidEpochSkip(
+            reason=f"{skip} consumed batches do not end on a steps_per_execution="
             f"{per_execution} boundary inside the {cursor.num_batches}-batch epoch"
         )
-    return skip
+    return MidEpochSkip(skip=skip)
+
+
+def _data_changed(reason: str) -> MidEpochSkip:
+    return MidEpochSkip(reason=reason, data_changed=True)
+
+
+def check_whole_epochs(cursor: DatasetCursor | None, steps: int | None) -> None:
+    """Refuses a `fit()` of `steps` per epoch that is not a whole epoch of `dataset=`."""
+    if cursor is not None and steps is not None and steps != cursor.num_batches:
+        raise ValueError(
+            f"SyncedCheckpoint(dataset=...) needs fit() to run whole epochs of that "
+            f"dataset ({cursor.num_batches} batches); fit() runs {steps} steps "
+            "per epoch. Remove `steps_per_epoch` from fit(), or drop `dataset=`. "
+            f"Received: steps_per_epoch={steps}"
+        )
+
+
+def other_dataset_error(cursor: DatasetCursor, why: str) -> ValueError:
+    """The error for a `fit()` that trains on another dataset than `dataset=` (`why`).
+
+    The position saved and restored would not be the position of the data trained.
+    """
+    return ValueError(
+        "fit() is training on another dataset than the one given to "
+        f"SyncedCheckpoint(dataset=...): {why}, so the position it saves and restores "
+        "would not be the position of the data trained (for example two calls of "
+        "kmk.make_dataset). Pass the same object to fit() and to "
+        "SyncedCheckpoint(dataset=...). No checkpoint was written. "
+        f"Received: dataset={type(cursor).__name__} of "
+        f"{cursor.num_batches} batches not iterated by fit()"
+    )
 
 
 def check_workers_agree(
@@ -398,32 +428,19 @@ def check_workers_agree(
 ) -> None:
     """Checks that every worker resumes from the same point (else collectives mismatch or hang).
 
-    Args:
-        model: The model being fit.
-        restored: The checkpoint this worker restored, or None.
-        skip: The batches this worker skips in the resumed epoch.
-        directory: The checkpoint directory, for messages.
-
-    Returns:
-        None (at once with a single worker or a model the kit did not build).
+    Returns at once with a single worker or a model the kit did not build.
 
     Raises:
         CheckpointError: When the workers found different checkpoints.
-
-    Example:
-
-    ```python
-    check_workers_agree(model, resume.restored, resume.skip, store.directory)
-    ```
     """
     dist = distribution_of(model)
     if dist is None or dist.num_workers < 2:
         return
-    meta = restored.meta if restored is not None else {}
+    meta = restored.meta if restored is not None else None
     mine = [
-        int(meta.get("epoch", -1)),
+        meta.epoch if meta is not None else -1,
         skip,
-        int(meta.get("global_step") or -1),
+        (meta.global_step if meta is not None else None) or -1,
     ]
     strategy = model.distribute_strategy
     per_replica = strategy.run(lambda: tf.constant([mine], tf.int64))

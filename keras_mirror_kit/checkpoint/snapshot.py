@@ -14,20 +14,36 @@ one CPU core) and nothing else: training goes on with its own buffers, no device
 added, and the background thread writes straight from the staging arrays. (Holding the
 read tensors instead, TensorFlow's copy-on-write, costs the training step that next
 updates each variable a fresh allocation of it, on every save.)
+
+`BackgroundWriter` runs those writes for `SyncedCheckpoint(async_save=True)`, one at a
+time in a background thread: the training loop goes on while the file is written; the
+next save, the end of `fit` and `SyncedCheckpoint.wait_for_pending_save()` wait for it,
+and its error (a `CheckpointWriteError` for a full disk) is raised there or at the next
+training step. The thread is not a daemon: a process that ends while a write runs lets it
+finish. On Linux the writer thread lowers its own scheduling priority (`nice` 19, this
+thread only): checksumming and writing the state then uses CPU time training leaves idle
+instead of taking it from training's threads, which matters where training itself runs on
+the CPU (on a GPU host the writer mostly waits for the disk).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror_kit.callbacks.synced_checkpoint.state import global_random_state
-from keras_mirror_kit.checkpoint_store import CheckpointError
+from keras_mirror_kit.checkpoint.state import global_random_state
+from keras_mirror_kit.checkpoint.store import CheckpointError
 
-__all__ = ["HostStaging", "StateSnapshot", "take_snapshot"]
+__all__ = ["WRITER_NICE", "BackgroundWriter", "HostStaging", "StateSnapshot", "take_snapshot"]
+
+#: The `nice` value of the writer thread on Linux (the lowest scheduling priority).
+WRITER_NICE = 19
 
 
 def _tf_value(variable: Any) -> Any:
@@ -54,14 +70,6 @@ class HostStaging:
     save pays for fresh memory; `copy` copies a tensor into its array (a new array only
     when the variable's shape or dtype changed). The next snapshot may only be taken once
     the previous one is written (`SyncedCheckpoint` waits for it).
-
-    Example:
-
-    ```python
-    staging = HostStaging()
-    staging.prepare(state_variables(model))          # at the start of fit
-    snapshot = take_snapshot(state_variables(model), False, staging=staging)
-    ```
     """
 
     def __init__(self) -> None:
@@ -73,20 +81,7 @@ class HostStaging:
         return sum(a.nbytes for a in self._arrays if a is not None)
 
     def prepare(self, named: list[tuple[str, Any]]) -> None:
-        """Allocates and touches an array for each variable (none is read: no collective).
-
-        Args:
-            named: The `(group, variable)` pairs of `state.state_variables`.
-
-        Returns:
-            None.
-
-        Example:
-
-        ```python
-        staging.prepare(state_variables(model))
-        ```
-        """
+        """Allocates and touches an array for each variable (none is read: no collective)."""
         for i, (_, variable) in enumerate(named):
             value = _tf_value(variable)
             self._array(i, tuple(value.shape), tf.as_dtype(value.dtype).as_numpy_dtype)
@@ -95,18 +90,7 @@ class HostStaging:
     def copy(self, index: int, tensor: tf.Tensor) -> np.ndarray:
         """Copies `tensor` into the array of variable `index` and returns that array.
 
-        Args:
-            index: The variable's position in the state.
-            tensor: Its value (on the host, `np.asarray` of it is a view: one copy in all).
-
-        Returns:
-            The staging array, holding the value.
-
-        Example:
-
-        ```python
-        array = staging.copy(0, tf.convert_to_tensor(model.variables[0].value))
-        ```
+        On the host, `np.asarray` of the tensor is a view: one copy in all.
         """
         value = np.asarray(tensor)
         target = self._array(index, value.shape, value.dtype)
@@ -114,17 +98,7 @@ class HostStaging:
         return target
 
     def release(self) -> None:
-        """Frees the arrays (at the end of `fit`).
-
-        Returns:
-            None.
-
-        Example:
-
-        ```python
-        staging.release()
-        ```
-        """
+        """Frees the arrays (at the end of `fit`)."""
         self._arrays = []
 
     def _array(self, index: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -142,23 +116,13 @@ class StateSnapshot:
     """The values one save writes, in their saved order (staged on the host, or read when written).
 
     Made by `take_snapshot`. `items()` yields the arrays one at a time, each copied to the
-    host when it is asked for and released once the next is asked for.
-
-    Args:
-        keys: The array name of each variable (`"model/00000"`, `"optimizer/00003"`).
-        paths: The `"group:path"` of each variable, for the checkpoint's metadata.
-        sources: What each value is read from: a host array (staged) or a tensor read at
-            snapshot time, or the variable itself (read when written).
-        non_finite: The paths of the variables holding NaN or Inf.
-        extra: Small host arrays written after the variables (Keras' global random state
-            as `"random/global"`; the callbacks' arrays are added here by the caller).
-
-    Example:
-
-    ```python
-    snapshot = take_snapshot(state_variables(model), allow_non_finite=False)
-    store.write(snapshot.items(), {"variables": snapshot.paths, ...})
-    ```
+    host when it is asked for and released once the next is asked for. `keys` are the
+    array names (`"model/00000"`, `"optimizer/00003"`), `paths` the `"group:path"` of each
+    variable (for the metadata), `sources` what each value is read from (a host array when
+    staged, a tensor read at snapshot time, or the variable itself, read when written),
+    `non_finite` the paths holding NaN or Inf, `extra` small host arrays written after the
+    variables (Keras' global random state as `"random/global"`; the callbacks' arrays are
+    added by the caller).
     """
 
     def __init__(
@@ -176,20 +140,9 @@ class StateSnapshot:
         self._sources: list[Any] | None = sources
 
     def items(self) -> Iterator[tuple[str, np.ndarray]]:
-        """Yields `(name, array)` pairs, one host copy at a time (once: the snapshot is spent).
+        """Yields `(name, array)`, the variables' then `extra`'s, one host copy at a time.
 
-        Yields:
-            The variables' arrays in order, then `extra`'s.
-
-        Raises:
-            RuntimeError: When the snapshot was already written or released.
-
-        Example:
-
-        ```python
-        for name, array in snapshot.items():
-            print(name, array.shape)
-        ```
+        Once only: the snapshot is spent (RuntimeError when it was written or released).
         """
         sources, self._sources = self._sources, None
         if sources is None:
@@ -206,17 +159,7 @@ class StateSnapshot:
         yield from self.extra.items()
 
     def release(self) -> None:
-        """Drops the tensors held (a snapshot that will not be written).
-
-        Returns:
-            None.
-
-        Example:
-
-        ```python
-        snapshot.release()
-        ```
-        """
+        """Drops the tensors held (a snapshot that will not be written)."""
         self._sources = None
 
 
@@ -227,26 +170,12 @@ def take_snapshot(
 
     Every worker calls this alike (reads of variables synchronized on read are collectives),
     and every worker refuses a non-finite state alike. Only one boolean per variable comes
-    to the host.
-
-    Args:
-        named: The `(group, variable)` pairs of `state.state_variables`.
-        allow_non_finite: Record the non-finite variables instead of refusing them.
-        staging: Copy the values into these host arrays now, so that the variables may
-            change before the snapshot is written (asynchronous saves); without it the
-            variables are read again, one at a time, when written.
-
-    Returns:
-        The `StateSnapshot`.
+    to the host. With `staging`, the values are copied into those host arrays now, so that
+    the variables may change before the snapshot is written (asynchronous saves); without
+    it the variables are read again, one at a time, when written.
 
     Raises:
         CheckpointError: When a variable holds NaN or Inf and `allow_non_finite` is False.
-
-    Example:
-
-    ```python
-    snapshot = take_snapshot(state_variables(model), allow_non_finite=False)
-    ```
     """
     keys: list[str] = []
     paths: list[str] = []
@@ -281,3 +210,54 @@ def take_snapshot(
     if global_random is not None:
         extra["random/global"] = global_random
     return StateSnapshot(keys, paths, sources, bad, extra)
+
+
+def _lower_this_threads_priority() -> None:
+    """Gives the calling thread the lowest scheduling priority (Linux: per thread)."""
+    if sys.platform.startswith("linux") and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except OSError:  # not permitted here: the write runs at normal priority
+            pass
+
+
+class BackgroundWriter:
+    """Runs one write at a time in a background thread and hands back its error."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether a write was submitted and not yet waited for."""
+        return self._thread is not None
+
+    def submit(self, write: Callable[[], object]) -> None:
+        """Waits for the previous write (raising what it raised), then starts `write`."""
+        self.wait()
+
+        def run() -> None:
+            try:
+                _lower_this_threads_priority()
+                write()
+            except BaseException as err:  # handed to the training thread
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name="kmk-checkpoint-writer", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Waits for the write in progress, if any, and raises what it raised (once)."""
+        if self._thread is not None:
+            self._thread.join()  # an interrupt here keeps the write known as pending
+            self._thread = None
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        """Raises what a finished write raised (once); returns at once otherwise."""
+        error, self._error = self._error, None
+        if error is not None:
+            if self._thread is not None and not self._thread.is_alive():
+                self._thread = None
+            raise error

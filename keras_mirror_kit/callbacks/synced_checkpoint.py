@@ -1,55 +1,66 @@
-"""The `SyncedCheckpoint` callback: its arguments and its course through a `fit()`."""
+"""`SyncedCheckpoint`: crash-safe, replica-verified, resumable checkpoints for `model.fit`.
+
+This module is the callback's course through a `fit()` and its place in the
+`CallbackList` (between a head and a tail hook); what a checkpoint is, and how it is
+written, verified, resumed and restored, lives in `keras_mirror_kit.checkpoint`.
+"""
 
 from __future__ import annotations
 
 import logging
-import numbers
 import os
 import signal
 import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import keras
 import numpy as np
 
 from keras_mirror_kit.callbacks.keras_loop import find_callback_list, steps_done
-from keras_mirror_kit.callbacks.synced_checkpoint.background import BackgroundWriter
-from keras_mirror_kit.callbacks.synced_checkpoint.best import BestKeeper
-from keras_mirror_kit.callbacks.synced_checkpoint.callback_state import (
+from keras_mirror_kit.checkpoint.best import BestKeeper
+from keras_mirror_kit.checkpoint.callback_state import (
     apply_callback_states,
     best_weights_restored,
     callback_states,
+    is_stateful,
 )
-from keras_mirror_kit.callbacks.synced_checkpoint.hooks import Hook, place
-from keras_mirror_kit.callbacks.synced_checkpoint.preemption import PreemptionGuard
-from keras_mirror_kit.callbacks.synced_checkpoint.replicas import (
+from keras_mirror_kit.checkpoint.divergence import (
+    ReplicaDivergenceError,
     check_replicas,
     log_batch_norm_gap,
 )
-from keras_mirror_kit.callbacks.synced_checkpoint.restore import model_config
-from keras_mirror_kit.callbacks.synced_checkpoint.resume import (
+from keras_mirror_kit.checkpoint.lock import DirectoryLock
+from keras_mirror_kit.checkpoint.meta import CheckpointMeta
+from keras_mirror_kit.checkpoint.preemption import PreemptionGuard
+from keras_mirror_kit.checkpoint.restore import model_config
+from keras_mirror_kit.checkpoint.resume import (
+    check_whole_epochs,
     check_workers_agree,
     data_description,
+    other_dataset_error,
     restore_latest,
 )
-from keras_mirror_kit.callbacks.synced_checkpoint.snapshot import (
+from keras_mirror_kit.checkpoint.snapshot import (
+    BackgroundWriter,
     HostStaging,
     StateSnapshot,
     take_snapshot,
 )
-from keras_mirror_kit.callbacks.synced_checkpoint.state import (
-    build_optimizer,
-    state_variables,
-)
-from keras_mirror_kit.checkpoint_lock import DirectoryLock
-from keras_mirror_kit.checkpoint_store import CheckpointError, CheckpointStore, LoadedCheckpoint
+from keras_mirror_kit.checkpoint.state import build_optimizer, state_variables
+from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.data import DatasetCursor, cursor_of
 from keras_mirror_kit.fit_inputs import dataset_cursor
-from keras_mirror_kit.model_record import is_chief
-from keras_mirror_kit.validation import check_bool
+from keras_mirror_kit.model_record import engine_of, is_chief
+from keras_mirror_kit.validation import (
+    check_bool,
+    check_path,
+    non_negative_number,
+    positive_int_or,
+)
 from keras_mirror_kit.with_block import check_callback_model
 
-__all__ = ["SyncedCheckpoint"]
+__all__ = ["ReplicaDivergenceError", "SyncedCheckpoint"]
 
 logger = logging.getLogger("keras_mirror_kit")
 
@@ -122,7 +133,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             values are saved.
         dataset: The training dataset, when built by `kmk.make_dataset`, for exact
             mid-epoch resume. It must be the object given to `fit`.
-        verify_atol: Absolute tolerance of the replica comparison (default exact).
+        verify_atol: Absolute tolerance of the replica comparison, >= 0 (default exact).
         strict: Refuse (`CheckpointError`) instead of falling back to an epoch boundary
             when the data no longer matches a mid-epoch checkpoint.
         allow_non_finite: Save states holding NaN or Inf instead of refusing them (the
@@ -151,9 +162,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
 
     Raises:
         TypeError: On a wrong argument type.
-        ValueError: On a bad `save_freq`, `keep`, `keep_best`, `mode` or `dataset`; at a
-            save with `mode="auto"`, for a `monitor` whose direction is unknown; after the
-            first batch, when `fit` iterates another dataset than `dataset=`.
+        ValueError: On a bad `directory` (empty), `save_freq`, `keep`, `keep_best`,
+            `monitor` (empty), `mode`, `verify_atol` or `dataset`; at a save with
+            `mode="auto"`, for a `monitor` whose direction is unknown; after the first
+            batch, when `fit` iterates another dataset than `dataset=`.
         CheckpointError: At `on_train_begin`, before any training step, for an unusable
             directory or a checkpoint of another model or optimizer (or a data mismatch
             with `strict=True`); at a save, for a state holding NaN or Inf.
@@ -194,20 +206,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         async_save: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(directory, (str, os.PathLike)) or not str(directory):
-            raise TypeError(
-                "`directory` must be a non-empty path (str or os.PathLike). "
-                f"Received: directory={directory!r}"
-            )
-        if save_freq != "epoch" and (
-            isinstance(save_freq, bool)
-            or not isinstance(save_freq, numbers.Integral)
-            or save_freq <= 0
-        ):
-            raise ValueError(
-                "`save_freq` must be 'epoch' or a positive integer number of batches. "
-                f"Received: save_freq={save_freq!r}"
-            )
+        check_path("directory", directory)
+        save_freq = positive_int_or("save_freq", save_freq, "epoch", "batches")
         cursor = None
         if dataset is not None:
             cursor = cursor_of(dataset)
@@ -227,7 +227,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self.keep = keep
         self.restore = bool(restore)
         self.verify_replicas = bool(verify_replicas)
-        self.verify_atol = float(verify_atol)
+        self.verify_atol = non_negative_number("verify_atol", verify_atol)
         self.strict = bool(strict)
         self.allow_non_finite = bool(allow_non_finite)
         self.async_save = check_bool("async_save", async_save)
@@ -261,9 +261,9 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._cursor_checked = False
         self._last_save: tuple[int, int, bool, bool] | None = None  # epoch, step, end, stop
         self._tracked: list[tuple[str, Any]] = []
-        self._pending_states: tuple[dict[str, Any], dict[str, np.ndarray]] | None = None
-        self._head: Hook | None = None
-        self._tail: Hook | None = None
+        self._pending_states: tuple[Mapping[str, Any], Mapping[str, np.ndarray]] | None = None
+        self._head: _Hook | None = None
+        self._tail: _Hook | None = None
         self.last_restored: LoadedCheckpoint | None = None
 
     def _fits_key(self) -> str:
@@ -278,24 +278,12 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             raise
 
     def on_fit_exception(self, exception: BaseException) -> None:
-        """Cleans up after a `fit` that raised (called by a kit-built model's `fit`).
+        """Cleans up after a `fit` that raised (`fit_wrapper.FitHooks`; `exception` goes on).
 
         Puts the previous signal handlers back, waits for a background write, and releases
         the directory's lock. Keras skips `on_train_end` when `fit` raises; for a model the
         kit did not build, the lock is released by the next `fit` in this process or when
         the process exits.
-
-        Args:
-            exception: What `fit` raised (it propagates unchanged).
-
-        Returns:
-            None.
-
-        Example:
-
-        ```python
-        callback.on_fit_exception(KeyboardInterrupt())
-        ```
         """
         self._preemption.stop()  # the signal handlers from before this fit()
         try:
@@ -335,17 +323,9 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                     "them away. Use a new directory, remove the old checkpoints yourself, or "
                     f"pass restore=True to continue from them. Received: restore=False"
                 )
-        if self._cursor is not None:
-            steps = self.params.get("steps") if self.params else None
-            if steps is not None and steps != self._cursor.num_batches:
-                raise ValueError(
-                    f"SyncedCheckpoint(dataset=...) needs fit() to run whole epochs of that "
-                    f"dataset ({self._cursor.num_batches} batches); fit() runs {steps} steps "
-                    "per epoch. Remove `steps_per_epoch` from fit(), or drop `dataset=`. "
-                    f"Received: steps_per_epoch={steps}"
-                )
+        check_whole_epochs(self._cursor, self.params.get("steps") if self.params else None)
         build_optimizer(self.model)
-        self._best.begin(self.model)
+        self._best.begin(lambda name: _metric_direction(self.model, name))
         # The architecture, for export outside fit (keras-mirror-kit ckpt export).
         self._model_config = model_config(self.model) if self._is_chief else None
         if self.restore:
@@ -471,9 +451,11 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         """Ends the process after a stop signal (`Preempted`): the state is saved."""
         self.wait_for_pending_save()  # an async_save write must be in place first
         epoch, step = (self._last_save or (self._epoch, self._steps_in_epoch, False, False))[:2]
+        raise self._preemption.preempted(epoch, step, self._global_step(), str(self.directory))
+
+    def _global_step(self) -> int | None:
         optimizer = getattr(self.model, "optimizer", None)
-        global_step = int(optimizer.iterations.numpy()) if optimizer is not None else None
-        raise self._preemption.preempted(epoch, step, global_step, str(self.directory))
+        return int(optimizer.iterations.numpy()) if optimizer is not None else None
 
     # -- the callbacks list ------------------------------------------------------------------
 
@@ -486,9 +468,11 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                 "end of a resumed epoch is requested at its own position in the list"
             )
             return
-        placement = place(self, callback_list)
-        self._tracked, self._head, self._tail = placement.tracked, placement.head, placement.tail
-        self._callback_list, self._original_callbacks = callback_list, placement.original
+        # The head and tail run these steps of this callback first and last in the list.
+        head = _Hook(epoch_begin=self._before_epoch, epoch_end=self._clear_own_stop)
+        tail = _Hook(batch_end=self._request_epoch_end)
+        self._tracked, self._original_callbacks = _place(self, callback_list, head, tail)
+        self._callback_list, self._head, self._tail = callback_list, head, tail
 
     def _detach(self) -> None:
         """Puts back the order of a CallbackList that may be reused (the user's own)."""
@@ -520,27 +504,15 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._cursor_checked = True
         assert self._cursor is not None
         if self._cursor.get() == (self._epoch, self._epoch_skip):
-            self._refuse_other_dataset("the dataset given was never read")
+            raise other_dataset_error(self._cursor, "the dataset given was never read")
 
     def check_fit_data(self, x: Any) -> None:
         """Refuses `fit`'s data unless it is the `dataset=` given (`fit_wrapper.FitHooks`)."""
         found = dataset_cursor(x)
         if self._cursor is not None and found is not None and found is not self._cursor:
-            self._refuse_other_dataset("fit() was given another kmk.make_dataset object")
-
-    def _refuse_other_dataset(self, why: str) -> None:
-        assert self._cursor is not None
-        raise ValueError(
-            "fit() is training on another dataset than the one given to "
-            f"SyncedCheckpoint(dataset=...): {why}, so the position it saves and restores "
-            "would not be the position of the data trained (for example two calls of "
-            "kmk.make_dataset). Pass the same object to fit() and to "
-            "SyncedCheckpoint(dataset=...). No checkpoint was written. "
-            f"Received: dataset={type(self._cursor).__name__} of "
-            f"{self._cursor.num_batches} batches not iterated by fit()"
-        )
-
-    # -- helpers -----------------------------------------------------------------------------
+            raise other_dataset_error(
+                self._cursor, "fit() was given another kmk.make_dataset object"
+            )
 
     def _epoch_length(self) -> int | None:
         if self._cursor is not None:
@@ -574,40 +546,35 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         if not self._is_chief:
             snapshot.release()
             return
-        optimizer = getattr(self.model, "optimizer", None)
-        global_step = int(optimizer.iterations.numpy()) if optimizer is not None else None
-        meta = {
-            "epoch": int(epoch),
-            "step": int(step),
-            "epoch_end": bool(epoch_end),
-            "global_step": global_step,
-            "state": "variables",  # model.variables (v1 files hold model.weights)
-            "fit_index": self._fit_index,
-            "fit_epochs": self._epochs(),
+        meta = CheckpointMeta(
+            epoch=int(epoch),
+            step=int(step),
+            epoch_end=bool(epoch_end),
+            global_step=self._global_step(),
+            fit_index=self._fit_index,
+            fit_epochs=self._epochs(),
             # `epochs` of every fit() of the script so far: tells a full rerun of the script
             # from a rerun of one later stage alone (see resume.restore_latest).
-            "script_fit_epochs": [*self._fit_history, self._epochs()],
-            "stopped": bool(stopped),
-            "finite": not snapshot.non_finite,
-            "num_replicas": int(self.model.distribute_strategy.num_replicas_in_sync),
-            **data_description(self.model, self._cursor, self._epoch_length()),
-            "variables": snapshot.paths,
-            "callbacks": callback_states(self._tracked, snapshot.extra),
+            script_fit_epochs=(*self._fit_history, self._epochs()),
+            stopped=bool(stopped),
+            finite=not snapshot.non_finite,
+            num_replicas=engine_of(self.model).num_replicas,
+            data=data_description(self.model, self._cursor, self._epoch_length()),
+            variables=tuple(snapshot.paths),
+            callbacks=callback_states(self._tracked, snapshot.extra),
             # keep_best: the metric and this save's value (none for the end-of-fit re-save)
-            **self._best.score(self.model, logs, epoch_end and logs is not None, epoch),
-            **({"model_config": self._model_config} if self._model_config else {}),
-        }
+            score=self._best.score(logs, epoch_end and logs is not None, epoch),
+            model_config=self._model_config,
+        )
         if self.async_save:
             self._writer.submit(lambda: self._write(snapshot, meta))
         else:
             self._write(snapshot, meta)
 
-    def _write(self, snapshot: StateSnapshot, meta: dict[str, Any]) -> None:
+    def _write(self, snapshot: StateSnapshot, meta: CheckpointMeta) -> None:
         """Writes a snapshot, one variable at a time (in the background with async_save)."""
         path = self._store.write(snapshot.items(), meta)
-        logger.debug(
-            "keras-mirror-kit: wrote %s (epoch %d, step %d)", path, meta["epoch"], meta["step"]
-        )
+        logger.debug("keras-mirror-kit: wrote %s (epoch %d, step %d)", path, meta.epoch, meta.step)
 
     def _epochs(self) -> int | None:
         epochs = self.params.get("epochs") if self.params else None
@@ -630,5 +597,93 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._pending_states = resume.callback_states
         if resume.fit_index is not None:  # a later stage rerun alone: its number from now on
             self._fit_index = resume.fit_index
-            history = (resume.restored.meta if resume.restored else {}).get("script_fit_epochs")
-            self._fit_history = list(history or [None] * resume.fit_index)[: resume.fit_index]
+            self._fit_history = list(resume.fit_history)
+
+
+class _Hook(keras.callbacks.Callback):
+    """Runs steps of `SyncedCheckpoint` it is given, first (head) or last (tail) in the list.
+
+    The head restores the other callbacks' state before any of them starts an epoch and
+    clears the stop request that ended a resumed epoch early before they see it; the tail
+    asks to end a resumed epoch after every other callback had its say about stopping.
+    """
+
+    def __init__(
+        self,
+        epoch_begin: Callable[[], None] | None = None,
+        epoch_end: Callable[[], None] | None = None,
+        batch_end: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self._epoch_begin, self._epoch_end, self._batch_end = epoch_begin, epoch_end, batch_end
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._epoch_begin is not None:
+            self._epoch_begin()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._epoch_end is not None:
+            self._epoch_end()
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self._batch_end is not None:
+            self._batch_end()
+
+
+def _place(
+    owner: SyncedCheckpoint, callback_list: Any, head: _Hook, tail: _Hook
+) -> tuple[list[tuple[str, Any]], list[Any]]:
+    """Moves `owner` after the stateful callbacks, and puts `head` and `tail` around all.
+
+    Returns the stateful callbacks as `(key, callback)` (keys such as `"EarlyStopping#0"`:
+    the class name, then its number among those of that class) and the list's callbacks
+    before, without hooks of an earlier `fit()`, to put back after. The list gets a new
+    `callbacks` list object, so Keras' loop over the old one (the `on_train_begin` now
+    running) goes on unchanged.
+    """
+    callbacks = [c for c in callback_list.callbacks if c is owner or not isinstance(c, _Hook)]
+    callbacks_before = list(callbacks)
+    tracked: list[tuple[str, Any]] = []
+    counts: dict[str, int] = {}
+    last, mine = -1, callbacks.index(owner)
+    for i, callback in enumerate(callbacks):
+        if callback is owner or not is_stateful(callback):
+            continue
+        name = type(callback).__name__
+        tracked.append((f"{name}#{counts.get(name, 0)}", callback))
+        counts[name] = counts.get(name, 0) + 1
+        last = i
+    if last > mine:
+        callbacks.remove(owner)
+        callbacks.insert(last, owner)
+        logger.debug(
+            "keras-mirror-kit: SyncedCheckpoint runs after %s so that their state at "
+            "each epoch end is saved",
+            ", ".join(key for key, _ in tracked),
+        )
+    for hook in (head, tail):
+        hook.set_model(owner.model)
+    callback_list.callbacks = [head, *callbacks, tail]
+    return tracked, callbacks_before
+
+
+def _metric_direction(model: Any, name: str) -> str | None:
+    """`"min"`/`"max"` of a metric of `model` named `name` (built or given to compile)."""
+    candidates: list[Any] = []
+    for metric in getattr(model, "metrics", None) or []:
+        candidates.append(metric)
+        candidates.extend(getattr(metric, "metrics", None) or [])
+    compiled = getattr(model, "_compile_metrics", None)
+    pending = list(getattr(compiled, "_user_metrics", None) or [])
+    while pending:  # metric objects given to compile(), before Keras builds them
+        item = pending.pop()
+        if isinstance(item, Mapping):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+        else:
+            candidates.append(item)
+    for metric in candidates:
+        if getattr(metric, "name", None) == name and hasattr(metric, "_direction"):
+            return "max" if metric._direction == "up" else "min"  # noqa: SLF001
+    return None

@@ -1,4 +1,4 @@
-"""Checking, before a save, that every replica holds the same values: `ReplicaDivergenceError`."""
+"""The replica check before a save (`check_replicas`) and its `ReplicaDivergenceError`."""
 
 from __future__ import annotations
 
@@ -151,24 +151,12 @@ def check_replicas(model: Any, variables: list[tuple[str, Any]], atol: float) ->
     the moving statistics of a `BatchNormalization` without synchronized statistics: their
     largest difference is returned instead, for the caller to report.
 
-    Args:
-        model: The model being fit (its `distribute_strategy` holds the replicas).
-        variables: The `(group, variable)` pairs to check, as saved.
-        atol: Largest absolute difference accepted between two copies.
-
-    Returns:
-        The largest difference between replicas of unsynchronised BatchNormalization
-        moving statistics beyond `atol`, or 0.0 (also with fewer than 2 replicas).
+    Returns the largest difference beyond `atol` between replicas of unsynchronised
+    BatchNormalization moving statistics, or 0.0 (also with fewer than 2 replicas).
 
     Raises:
         ReplicaDivergenceError: When any other variable's copies differ by more than
             `atol`; copies holding NaN or Inf on some replicas only are named as such.
-
-    Example:
-
-    ```python
-    gap = check_replicas(model, [("model", v) for v in model.variables], atol=0.0)
-    ```
     """
     strategy = model.distribute_strategy
     if strategy.num_replicas_in_sync < 2:
@@ -233,21 +221,7 @@ def check_replicas(model: Any, variables: list[tuple[str, Any]], atol: float) ->
 
 
 def log_batch_norm_gap(gap: float) -> None:
-    """Logs that unsynchronised BatchNormalization statistics differ between replicas.
-
-    Args:
-        gap: The largest difference, as returned by `check_replicas`.
-
-    Returns:
-        None.
-
-    Example:
-
-    ```python
-    if gap := check_replicas(model, variables, atol=0.0):
-        log_batch_norm_gap(gap)
-    ```
-    """
+    """Logs that unsynchronised BatchNormalization statistics differ between replicas."""
     logger.info(
         "keras-mirror-kit: BatchNormalization moving statistics differ between "
         "replicas (max |diff| %.3g), as expected without synchronized statistics; "

@@ -99,21 +99,11 @@ class Preempted(SystemExit):
 def parse_signals(signals: Any) -> tuple[signal.Signals, ...]:
     """Validates `preemption_signals`: signal numbers or names, catchable, no duplicates.
 
-    Args:
-        signals: An iterable of `signal.Signals`, ints or names (`"SIGUSR1"`, `"USR1"`).
-
-    Returns:
-        The signals, in the order given, without repeats.
+    Returns the signals in the order given, without repeats.
 
     Raises:
         TypeError: When `signals` is not an iterable of ints or strings.
         ValueError: For an unknown signal, or SIGKILL / SIGSTOP (which cannot be caught).
-
-    Example:
-
-    ```python
-    parse_signals([signal.SIGTERM, "SIGUSR1"])   # (Signals.SIGTERM, Signals.SIGUSR1)
-    ```
     """
     if isinstance(signals, (str, bytes, int)) or not isinstance(signals, Iterable):
         raise TypeError(
@@ -188,18 +178,9 @@ def _restore_action(sig: int, buffer: Any) -> None:
 class PreemptionGuard:
     """The signal handlers and the stop decision of one `SyncedCheckpoint`.
 
-    Args:
-        signals: The signals to handle (see `parse_signals`); empty: none.
-
-    Example:
-
-    ```python
-    guard = PreemptionGuard([signal.SIGTERM])
-    guard.start(model)                      # on_train_begin
-    if steps >= guard.next_check and guard.should_stop(steps):
-        ...                                 # save, then raise guard.preempted(...)
-    guard.stop()                            # on_train_end, or when fit() raised
-    ```
+    `start(model)` at the start of `fit()`, then at batch ends `should_stop(steps)` once
+    `next_check` is reached (save, then raise `preempted(...)`), `stop()` at its end or
+    when it raised.
     """
 
     def __init__(self, signals: Any) -> None:
@@ -215,20 +196,7 @@ class PreemptionGuard:
         self._proposed = False
 
     def start(self, model: Any) -> None:
-        """Installs the handlers for a `fit()` of `model` (main thread only; else a warning).
-
-        Args:
-            model: The model being fit.
-
-        Returns:
-            None.
-
-        Example:
-
-        ```python
-        guard.start(model)
-        ```
-        """
+        """Installs the handlers for a `fit()` of `model` (main thread only; else a warning)."""
         self.stop()
         self.requested, self.repeats, self.stop_agreed = None, 0, False
         self._proposed = False
@@ -255,17 +223,7 @@ class PreemptionGuard:
             self._previous.append((sig, previous, raw))
 
     def stop(self) -> None:
-        """Puts back the handlers installed before `start` (at once when none are installed).
-
-        Returns:
-            None.
-
-        Example:
-
-        ```python
-        guard.stop()
-        ```
-        """
+        """Puts back the handlers installed before `start` (at once when none are installed)."""
         previous, self._previous = self._previous, []
         self._fit_frame = None
         cluster, self._cluster = self._cluster, None
@@ -277,24 +235,12 @@ class PreemptionGuard:
             _restore_action(sig, raw)  # a handler installed outside Python (TensorFlow's)
 
     def should_stop(self, steps: int) -> bool:
-        """Whether the process(es) stop now; with several workers, a collective they all join.
+        """Whether the process(es) stop now, `steps` into this `fit()`.
 
         Called at batch ends once `next_check` is reached (after a signal here, or once a
-        worker published the step to stop at); no collective.
-
-        Args:
-            steps: Steps trained in this `fit()` so far.
-
-        Returns:
-            True when a signal reached this process (one process), or when the workers'
-            agreed step is reached.
-
-        Example:
-
-        ```python
-        if steps >= guard.next_check and guard.should_stop(steps):
-            ...
-        ```
+        worker published the step to stop at). True when a signal reached this process
+        (one process), or when the workers' agreed step is reached; the worker that got
+        the signal publishes the step and waits for every worker's acknowledgment.
         """
         if self.stop_agreed:
             return True
@@ -311,37 +257,13 @@ class PreemptionGuard:
         return False
 
     def pending(self) -> bool:
-        """Whether to stop now without an exchange: agreed, or a signal to a single process.
-
-        Returns:
-            True when the workers agreed to stop, or one process got a signal.
-
-        Example:
-
-        ```python
-        if guard.pending():   # at an epoch start: the previous epoch's end was saved
-            ...
-        ```
-        """
+        """Whether to stop now without an exchange: agreed, or a signal to a single process."""
         return self.stop_agreed or (self._workers < 2 and self.requested is not None)
 
     def finish(self, steps: int) -> bool:
         """At the end of `fit()`: whether to stop anyway (a late signal); restores handlers.
 
         With several workers this is one more exchange (every worker's end of `fit()`).
-
-        Args:
-            steps: Steps trained in this `fit()`.
-
-        Returns:
-            True when a signal arrived (here, or on any worker) that was not acted on yet.
-
-        Example:
-
-        ```python
-        if guard.finish(steps):
-            raise guard.preempted(epoch, 0, global_step, directory)
-        ```
         """
         try:
             if self._cluster is None:
@@ -356,23 +278,7 @@ class PreemptionGuard:
     def preempted(
         self, epoch: int, step: int, global_step: int | None, directory: str
     ) -> Preempted:
-        """Restores the handlers, logs, and returns the `Preempted` to raise.
-
-        Args:
-            epoch: The saved epoch.
-            step: The saved batch of that epoch.
-            global_step: The saved optimizer step.
-            directory: The checkpoint directory.
-
-        Returns:
-            The exception.
-
-        Example:
-
-        ```python
-        raise guard.preempted(2, 5, 17, "ckpts")
-        ```
-        """
+        """Restores the handlers, logs, and returns the `Preempted` to raise."""
         name = self.requested.name if self.requested is not None else "another worker's signal"
         self.stop()
         if self.repeats:
@@ -483,7 +389,8 @@ def _num_workers(model: Any) -> int:
     dist = distribution_of(model)
     if dist is not None:
         return int(dist.num_workers)
-    return int(getattr(model.distribute_strategy.extended, "_num_workers", 1) or 1)
+    extended = getattr(getattr(model, "distribute_strategy", None), "extended", None)
+    return int(getattr(extended, "_num_workers", 1) or 1)
 
 
 def _find_fit_frame(model: Any) -> tuple[int, Any] | None:

@@ -23,14 +23,15 @@ from typing import Any
 import keras
 
 from keras_mirror_kit.atomic_files import atomic_path
-from keras_mirror_kit.callbacks.synced_checkpoint.paths import auto_name_prefixes, match_state
-from keras_mirror_kit.callbacks.synced_checkpoint.state import build_optimizer, state_variables
-from keras_mirror_kit.checkpoint_store import (
-    CheckpointError,
-    CheckpointStore,
-    LoadedCheckpoint,
-    best_entries,
+from keras_mirror_kit.checkpoint.best import best_entries
+from keras_mirror_kit.checkpoint.meta import ManifestEntry
+from keras_mirror_kit.checkpoint.state import (
+    auto_name_prefixes,
+    build_optimizer,
+    match_state,
+    state_variables,
 )
+from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
 
 __all__ = ["export_checkpoint", "load_checkpoint", "model_config", "restore"]
 
@@ -40,21 +41,8 @@ _EXPORT_SUFFIXES = (".keras", ".weights.h5")
 
 
 def model_config(model: Any) -> dict[str, Any] | None:
-    """The model's architecture as Keras serializes it, or None when it does not serialize.
-
-    Args:
-        model: A Keras model.
-
-    Returns:
-        `keras.saving.serialize_keras_object(model)` (JSON-able), or None (a subclassed
-        model without `get_config`, a layer that cannot be serialized).
-
-    Example:
-
-    ```python
-    meta["model_config"] = model_config(model)
-    ```
-    """
+    """The model's architecture as Keras serializes it (JSON-able), or None when it does not
+    serialize (a subclassed model without `get_config`, a layer that cannot be)."""
     try:
         config = keras.saving.serialize_keras_object(model)
         json.dumps(config)
@@ -79,26 +67,13 @@ def load_checkpoint(
 ) -> LoadedCheckpoint:
     """Reads and verifies a checkpoint of a directory, without a model.
 
-    Args:
-        directory: A `SyncedCheckpoint` directory.
-        name: None for the newest good checkpoint (a corrupt newer one is skipped with a
-            `CorruptCheckpointWarning`), `"best"` for the best by the metric of
-            `keep_best`, or a file name (`"ckpt-00000004.npz"`, `"ckpt-00000004"`) or number
-            (`"4"`).
-
-    Returns:
-        The checkpoint (its metadata; its arrays are read when asked for).
+    `name`: None for the newest good checkpoint (a corrupt newer one is skipped with a
+    `CorruptCheckpointWarning`), `"best"` for the best by the metric of `keep_best`, or a
+    file name (`"ckpt-00000004.npz"`, `"ckpt-00000004"`) or number (`"4"`).
 
     Raises:
         CheckpointError: No such directory or checkpoint, none usable, or a named one that
             fails verification.
-
-    Example:
-
-    ```python
-    ckpt = load_checkpoint("ckpts")
-    print(ckpt.meta["epoch"], ckpt.meta["step"])
-    ```
     """
     store = _directory_store(directory)
     entries = store.entries()
@@ -112,36 +87,35 @@ def load_checkpoint(
             )
         return loaded
     if name == "best":
-        scored = [e for e in entries if e.get("score") is not None and e.get("monitor")]
+        scored = [e.score for e in entries if e.score is not None and e.score.value is not None]
         if not scored:
             raise CheckpointError(
                 f"No checkpoint in {str(directory)!r} records a score: write them with "
                 "SyncedCheckpoint(keep_best=..., monitor=...), or pass name=None for the "
                 f"newest. Received: name='best'"
             )
-        entry = best_entries(entries, scored[-1]["monitor"])[0]
+        entry = best_entries(entries, scored[-1].monitor)[0]
     else:
         entry = _named_entry(entries, name, directory)
     try:
         return store.read(entry)
     except ValueError as err:
         raise CheckpointError(
-            f"The checkpoint {entry['file']!r} in {str(directory)!r} fails verification: "
+            f"The checkpoint {entry.file!r} in {str(directory)!r} fails verification: "
             f"{err}. Choose another one (keras-mirror-kit ckpt ls), or pass name=None for "
             f"the newest good one. Received: name={name!r}"
         ) from err
 
 
-def _named_entry(entries: list[dict[str, Any]], name: str, directory: Any) -> dict[str, Any]:
+def _named_entry(entries: list[ManifestEntry], name: str, directory: Any) -> ManifestEntry:
     """The entry called `name` (file name, with or without `.npz`, or number)."""
     wanted = str(name)
     for entry in entries:
-        file = str(entry["file"])
-        if wanted in (file, file.removesuffix(".npz")) or (
-            wanted.isdigit() and int(wanted) == entry["index"]
+        if wanted in (entry.file, entry.file.removesuffix(".npz")) or (
+            wanted.isdigit() and int(wanted) == entry.index
         ):
             return entry
-    names = ", ".join(str(e["file"]) for e in entries) or "none"
+    names = ", ".join(e.file for e in entries) or "none"
     raise CheckpointError(
         f"There is no checkpoint {wanted!r} in {str(directory)!r} (checkpoints: {names}). "
         f"Received: name={name!r}"
@@ -207,8 +181,7 @@ def restore(
     with_optimizer = opt is not None and bool(opt.built) and optimizer is not False
     loaded = load_checkpoint(directory, name)
     groups = ("model", "optimizer") if with_optimizer else ("model",)
-    legacy = loaded.meta.get("state") != "variables"
-    named = [pair for pair in state_variables(model, legacy=legacy) if pair[0] in groups]
+    named = [p for p in state_variables(model, legacy=loaded.meta.legacy_state) if p[0] in groups]
     roots = [model.name] if isinstance(getattr(model, "name", None), str) else []
     matched = match_state(named, loaded, directory, auto_name_prefixes(model), groups, roots)
     opened = loaded.arrays if hasattr(loaded.arrays, "__enter__") else contextlib.nullcontext()
@@ -218,8 +191,8 @@ def restore(
     logger.info(
         "keras-mirror-kit: restored %s (epoch %s, step %s%s) into %s",
         loaded.path.name,
-        loaded.meta.get("epoch"),
-        loaded.meta.get("step"),
+        loaded.meta.epoch,
+        loaded.meta.step,
         ", with the optimizer state" if with_optimizer else "",
         getattr(model, "name", type(model).__name__),
     )
@@ -260,32 +233,15 @@ def export_checkpoint(
     """Writes a checkpoint as a Keras `.keras` model or `.weights.h5` weights file.
 
     The file loads with plain Keras (`keras.saving.load_model(path)`, or
-    `model.load_weights(path)` on the same architecture), without the kit. It is written
-    atomically (a temporary file, then renamed).
-
-    Args:
-        directory: The checkpoint directory.
-        to: The file to write; its name ends in `.keras` or `.weights.h5`.
-        name: Which checkpoint (as for `restore`); None: the newest good one.
-        model: Where the architecture comes from: None for the one the checkpoint records,
-            or a factory (a callable, or `"module:function"`) returning the model.
-        overwrite: Replace an existing file at `to`.
-
-    Returns:
-        The path written.
+    `model.load_weights(path)` on the same architecture), without the kit; it is written
+    atomically. The architecture comes from the checkpoint (`model=None`) or from a
+    factory (a callable, or `"module:function"`) returning the model.
 
     Raises:
         ValueError: A bad file name or factory.
         FileExistsError: `to` exists and `overwrite` is False.
         CheckpointError: No usable checkpoint, no recorded architecture and no factory, or
             a checkpoint of another model.
-
-    Example:
-
-    ```python
-    export_checkpoint("ckpts", "model.keras")
-    model = keras.saving.load_model("model.keras")
-    ```
     """
     target = Path(to)
     if not target.name.endswith(_EXPORT_SUFFIXES) or target.name in _EXPORT_SUFFIXES:
@@ -300,7 +256,7 @@ def export_checkpoint(
         )
     loaded = load_checkpoint(directory, name)
     if model is None:
-        config = loaded.meta.get("model_config")
+        config = loaded.meta.model_config
         if not config:
             raise CheckpointError(
                 f"The checkpoint {loaded.path.name!r} does not record the model's "

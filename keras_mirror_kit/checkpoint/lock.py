@@ -1,11 +1,12 @@
 """One writer per checkpoint directory: a lock file naming the process that writes there.
 
 The lock is the file `writer.lock` in the checkpoint directory, holding the owner's pid,
-host name, process start time and a random token as JSON. It is created atomically (written
-to a temporary file, then hard-linked into place, which fails when a lock exists), so a
-reader never sees a half-written lock. A lock whose owner is gone (same host, that pid no
-longer runs, or now runs another process) is stale and is taken over with a warning; a
-lock of a live process, or of another host, is refused with `CheckpointLockedError`. The
+host name, process start time and a random token as JSON. It is created atomically
+(`atomic_files.create_if_absent`: written to a temporary file, then hard-linked into
+place, which fails when a lock exists), so a reader never sees a half-written lock. A lock
+whose owner is gone (same host, that pid no longer runs, or now runs another process) is
+stale and is taken over with a warning; a lock of a live process, or of another host, is
+refused with `CheckpointLockedError`. The
 process that holds a lock may take it again (a later `fit()` after one that raised).
 
 Under Slurm the lock also records the job id and its restart count: a requeued job
@@ -19,7 +20,6 @@ This module knows nothing of Keras or TensorFlow.
 from __future__ import annotations
 
 import atexit
-import errno
 import json
 import logging
 import os
@@ -30,7 +30,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from keras_mirror_kit.checkpoint_store import CheckpointError
+from keras_mirror_kit.atomic_files import create_if_absent, link_if_absent
+from keras_mirror_kit.checkpoint.store import CheckpointError
 
 __all__ = ["LOCK_FILE", "CheckpointLockedError", "DirectoryLock", "StaleLockWarning"]
 
@@ -114,22 +115,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 class DirectoryLock:
-    """The lock of one checkpoint directory, for the one process that writes there.
-
-    Args:
-        directory: The checkpoint directory (it must exist when `acquire` is called).
-
-    Example:
-
-    ```python
-    lock = DirectoryLock("ckpts")
-    lock.acquire()      # CheckpointLockedError when another live run writes there
-    try:
-        ...             # write checkpoints
-    finally:
-        lock.release()
-    ```
-    """
+    """The lock of one checkpoint directory, for the one process that writes there."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
@@ -150,24 +136,11 @@ class DirectoryLock:
         }
 
     def read(self) -> dict[str, Any] | None:
-        """The current lock's record; None when there is none, `{}` when it is unreadable.
-
-        Returns:
-            The parsed record, `{}` for an unreadable lock, or None without a lock.
-
-        Example:
-
-        ```python
-        owner = DirectoryLock("ckpts").read()
-        ```
-        """
+        """The current lock's record; None when there is none, `{}` when it is unreadable."""
         return _read_record(self.path)
 
     def acquire(self) -> None:
         """Takes the lock, taking over a stale one with a `StaleLockWarning`.
-
-        Returns:
-            None.
 
         A directory that cannot be created is left to `CheckpointStore.prepare()` to
         report (nothing is locked then).
@@ -175,12 +148,6 @@ class DirectoryLock:
         Raises:
             CheckpointLockedError: When a live process (or one on another host) holds it.
             CheckpointError: When the lock file cannot be written.
-
-        Example:
-
-        ```python
-        DirectoryLock("ckpts").acquire()
-        ```
         """
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -211,17 +178,7 @@ class DirectoryLock:
         raise self._locked_error(current)
 
     def release(self) -> None:
-        """Removes the lock if this object holds it (idempotent).
-
-        Returns:
-            None.
-
-        Example:
-
-        ```python
-        lock.release()
-        ```
-        """
+        """Removes the lock if this object holds it (idempotent)."""
         token, self._token = self._token, None
         if token is None:
             return
@@ -234,22 +191,8 @@ class DirectoryLock:
 
     def _create(self, record: dict[str, Any]) -> bool:
         """Creates the lock atomically; False when one exists."""
-        data = json.dumps(record).encode("utf-8")
-        tmp = self.directory / f".{LOCK_FILE}.{os.urandom(4).hex()}.tmp"
         try:
-            with open(tmp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            try:
-                os.link(tmp, self.path)
-            except (FileExistsError, FileNotFoundError):  # exists; or tmp taken as orphan
-                return False
-            except OSError as err:  # no hard links here (some network filesystems)
-                if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
-                    raise
-                return self._create_exclusive(data)
-            return True
+            return create_if_absent(self.path, json.dumps(record).encode("utf-8"))
         except OSError as err:
             raise CheckpointError(
                 f"The checkpoint directory {str(self.directory)!r} is not writable: its "
@@ -257,22 +200,6 @@ class DirectoryLock:
                 "writable directory or fix its permissions. "
                 f"Received: directory={str(self.directory)!r}"
             ) from err
-        finally:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
-
-    def _create_exclusive(self, data: bytes) -> bool:
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        return True
 
     def _held(self, record: dict[str, Any]) -> None:
         self._token = str(record.get("token"))
@@ -329,7 +256,7 @@ class DirectoryLock:
             return True
         # Another process replaced the stale lock first: put its fresh lock back.
         try:
-            os.link(aside, self.path)
+            link_if_absent(aside, self.path)
         except OSError:
             pass
         aside.unlink(missing_ok=True)

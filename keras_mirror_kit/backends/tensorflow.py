@@ -1,0 +1,210 @@
+"""The TensorFlow backend: `tf.distribute` strategies and the kit's TensorFlow-side fixes.
+
+`create_engine` chooses the strategy (`MirroredStrategy` over the replica devices with a
+working all-reduce, `MultiWorkerMirroredStrategy` from `TF_CONFIG` or a cluster resolver, or
+the user's own), and the hooks below give a kit-built model what Keras' TensorFlow trainer
+needs under a strategy: the checks that its variables and optimizer are mirrored, the
+workarounds of `keras_mirror_kit.workarounds`, and the replica-side preprocessing of
+`keras_mirror_kit.replica_preprocess`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import tensorflow as tf
+
+from keras_mirror_kit import replica_preprocess
+from keras_mirror_kit.batch_norm import synchronize_batch_norm
+from keras_mirror_kit.devices import (
+    mirrored_strategy,
+    replica_devices,
+    warn_if_gpus_unused,
+)
+from keras_mirror_kit.devices import simulate_replicas as simulate_replicas
+from keras_mirror_kit.workarounds import (
+    keras_ema_overwrite,
+    keras_grad_accumulation,
+    keras_gradient_clipping,
+    keras_jit_replicas,
+    keras_loss_scale,
+    keras_uneven_first_batch,
+    tf_data_iterator_stall,
+)
+
+__all__ = ["NAME", "Engine", "create_engine"]
+
+#: Whether every batch must split evenly over the devices.
+SHARDS_EACH_BATCH = False  # tf.distribute splits a partial batch
+NAME = "tensorflow"
+#: `distributed(strategy=)` values this backend takes besides a `tf.distribute.Strategy`.
+STRATEGIES = ("auto", "mirrored", "multi_worker")
+
+
+class Engine:
+    """A `tf.distribute.Strategy` behind the kit's engine interface."""
+
+    def __init__(self, strategy: tf.distribute.Strategy, cross_device_ops: str) -> None:
+        self.strategy = strategy
+        self.cross_device_ops = cross_device_ops
+
+    @property
+    def strategy_name(self) -> str:
+        if isinstance(self.strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            return "MultiWorkerMirroredStrategy"  # not TF's internal CollectiveAllReduce...
+        return type(self.strategy).__name__
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        try:
+            return tuple(self.strategy.extended.worker_devices)
+        except (AttributeError, RuntimeError):  # the default strategy has no device list
+            gpus = tf.config.list_logical_devices("GPU")
+            return ("/device:GPU:0",) if gpus else ("/device:CPU:0",)
+
+    @property
+    def num_replicas(self) -> int:
+        return int(self.strategy.num_replicas_in_sync)
+
+    @property
+    def is_chief(self) -> bool:
+        # The strategy decides: right in every cluster shape, an explicit `chief` job too.
+        return bool(getattr(self.strategy.extended, "should_checkpoint", True))
+
+    def scope(self) -> AbstractContextManager[Any]:
+        return self.strategy.scope()
+
+    def active_elsewhere(self) -> Any:
+        if tf.distribute.has_strategy() and tf.distribute.get_strategy() is not self.strategy:
+            return tf.distribute.get_strategy()
+        return None
+
+
+def engine_of_model(model: Any) -> Engine:
+    """The strategy a model the kit did not build runs under (the default one, outside)."""
+    return Engine(getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy(), "")
+
+
+def is_own_object(strategy: Any) -> bool:
+    """Whether `strategy` is a data-parallel object of this backend (a tf.distribute one)."""
+    return isinstance(strategy, tf.distribute.Strategy)
+
+
+def create_engine(
+    *,
+    devices: Sequence[str] | None,
+    cross_device_ops: Any,
+    strategy: Any,
+    cluster_resolver: Any,
+    multi_worker: bool,
+) -> Engine:
+    """The strategy `distributed()` asked for, behind an `Engine`."""
+    if isinstance(strategy, tf.distribute.Strategy):
+        ops_name = type(getattr(strategy.extended, "_cross_device_ops", None)).__name__
+        return Engine(strategy, ops_name)
+    if multi_worker:
+        from keras_mirror_kit.multi_worker import cluster
+
+        if devices is not None:  # MultiWorkerMirroredStrategy takes no device list
+            raise ValueError(
+                "`devices` cannot be used with a multi-worker strategy: each worker "
+                "trains on all the GPUs it sees (or its CPU). Choose a worker's devices "
+                "with CUDA_VISIBLE_DEVICES (`keras-mirror-kit launch --gpus-per-worker "
+                "K` sets it per worker), or drop TF_CONFIG/strategy='multi_worker' for "
+                f"one process. Received: devices={list(devices)!r}"
+            )
+        made, ops_name = cluster.create_strategy(
+            cluster_resolver=cluster_resolver, cross_device_ops=cross_device_ops
+        )
+    else:
+        made, ops_name = mirrored_strategy(replica_devices(devices), cross_device_ops)
+    warn_if_gpus_unused()  # a CUDA build that found no GPU on a GPU machine
+    return Engine(made, ops_name)
+
+
+def _strategy_of_variable(variable: Any) -> tf.distribute.Strategy | None:
+    value = getattr(variable, "value", variable)
+    if isinstance(value, tf.distribute.DistributedValues):
+        return value._distribute_strategy  # noqa: SLF001
+    return None
+
+
+def check_placement(model: Any, engine: Engine, origin: str) -> None:
+    """`ValueError` when the model, a variable or the optimizer was made outside the scope."""
+    strategy = engine.strategy
+    if getattr(model, "_distribute_strategy", None) is not strategy:
+        raise ValueError(
+            f"The model {origin} was created outside the strategy's scope, so it would "
+            "silently train on one device. Create the model inside the decorated "
+            "factory (or inside `with kmk.distributed(...)`), not before it. "
+            f"Received: model={model.name!r}"
+        )
+    if engine.num_replicas > 1 or isinstance(strategy, tf.distribute.MirroredStrategy):
+        outside = [v.path for v in model.variables if _strategy_of_variable(v) is not strategy]
+        if outside:
+            raise ValueError(
+                f"{len(outside)} variable(s) of the model {origin} were created outside the "
+                "strategy's scope (for example a layer built before the factory "
+                "or block ran). Create and build every layer inside the decorated factory "
+                "or the `with` block. "
+                f"Received: variables={outside[:5]}{' ...' if len(outside) > 5 else ''}"
+            )
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        opt_strategy = getattr(optimizer, "_distribution_strategy", strategy)
+        if opt_strategy is not strategy:
+            raise ValueError(
+                f"The optimizer of the model {origin} was created outside the strategy's "
+                "scope; its updates would not be mirrored. Create the optimizer "
+                "inside the decorated factory or the `with` block, e.g. "
+                "`model.compile(optimizer=keras.optimizers.Adam(lr), ...)` there. "
+                f"Received: optimizer={type(optimizer).__name__}"
+            )
+
+
+def sync_batch_norm(model: Any) -> None:
+    """BatchNormalization with statistics over the whole global batch (`synchronized=True`)."""
+    synchronize_batch_norm(model)
+
+
+def after_compile(model: Any, engine: Engine, name: str) -> None:
+    """A compiled model's optimizer fixes (accumulation, clipping, EMA) and the XLA check."""
+    optimizer = getattr(model, "optimizer", None)
+    inner = keras_grad_accumulation.accumulating_optimizer(optimizer)
+    if inner is not None:
+        keras_grad_accumulation.apply(inner)  # runs under the strategy: see that module
+    keras_gradient_clipping.apply(optimizer, engine.num_replicas)  # clip the reduced gradient
+    keras_ema_overwrite.apply(optimizer)  # no merge call inside Keras' overwrite conditional
+    keras_jit_replicas.check(model, len(engine.devices), name)
+    has_gpus = any("GPU" in d.upper() for d in engine.devices)
+    keras_jit_replicas.note_auto(model, has_gpus=has_gpus)
+
+
+def after_prepare(model: Any, engine: Engine) -> None:
+    """At every preparation: float16 loss scaling that every replica agrees on."""
+    keras_loss_scale.apply(model, engine.strategy)
+
+
+def install(model: Any) -> None:
+    """Once per model: replica steps, no tf.data autotuning thread, uneven first batches."""
+    replica_preprocess.install(model)  # make_dataset's preprocess on the replicas
+    tf_data_iterator_stall.apply(model)  # no tf.data autotuning thread: see that module
+    keras_uneven_first_batch.apply(model)  # evaluation on batches that split unevenly
+
+
+@contextlib.contextmanager
+def call(
+    model: Any, engine: Engine, method: str, arguments: dict[str, Any]
+) -> Iterator[None]:
+    """Around one `fit`/`evaluate`/`predict` of a kit-built model, after its checks."""
+    keras_jit_replicas.check(model, len(engine.devices), f"{method}()")
+    with replica_preprocess.applied(model, method, arguments):
+        yield
+
+
+def block_contexts() -> list[AbstractContextManager[Any]]:
+    """What a `with kmk.distributed(...)` block enters besides the strategy's scope."""
+    return [tf_data_iterator_stall.per_device_autotune_disabled()]

@@ -1,0 +1,26 @@
+"""Checkpoints: the files, their directory, and what a training state is made of.
+
+Keras' `BackupAndRestore` writes its files in place (a kill during a write destroys the
+only backup), lets every worker write the same path, replays an interrupted epoch on
+already-trained weights when `save_freq` is an integer, and never resets
+`model._initial_epoch` (a later `fit` on the same model silently skips epochs).
+`SyncedCheckpoint` and the modules here have none of these faults.
+
+The modules, from the bottom up (each imports only those below it):
+
+* `meta`: the one schema of a checkpoint's metadata and of the manifest's entries.
+* `store` (the directory of verified, atomically written `.npz` files, its manifest and
+  retention; the error and warning classes), `lock` (one writer per directory) and
+  `best` (`keep_best`'s scores and ranking): NumPy and the standard library only, so
+  `keras-mirror-kit ckpt ls|verify` start without TensorFlow.
+* `state` (the variables a checkpoint holds, paired by path and applied),
+  `callback_state` (the other callbacks' saved state), `snapshot` (reading the state for
+  a save; the background writer), `divergence` (the replica check before a save),
+  `preemption` (saving on a stop signal).
+* `resume` (which checkpoint a `fit()` goes on from, and where) and `restore`
+  (`kmk.restore` and export, outside `fit`).
+
+`keras_mirror_kit.callbacks.SyncedCheckpoint` drives them through a `fit()`; nothing here
+imports the callbacks. This package imports none of its modules itself (importing it
+costs nothing).
+"""

@@ -1,0 +1,300 @@
+"""The variables a checkpoint holds: which they are, pairing them by path, applying them.
+
+Saving reads them (`snapshot`); restoring pairs the saved variables with a model's by
+variable path, never by position. Paths are compared exactly when the checkpoint and the
+model hold the same set of paths (in any order). Otherwise only Keras' auto-numbering is
+ignored: a `_N` suffix on a name Keras generates for the layers, models and optimizer of
+this model (`dense_3`, `sequential_1`, `adam_2`, `seed_generator_1`), so the same model
+built again in another process, or after other models in this one, still matches. Names a
+user chose (`block_1` against `block_2`) must be equal, so a model of another architecture
+whose variables have the same shapes is refused instead of being filled by position.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from itertools import zip_longest
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from keras_mirror_kit.checkpoint.store import CheckpointError, LoadedCheckpoint
+from keras_mirror_kit.model_record import engine_of
+
+__all__ = [
+    "Pairing",
+    "apply_state",
+    "auto_name_prefixes",
+    "build_optimizer",
+    "global_random_state",
+    "match_state",
+    "pair_by_path",
+    "state_variables",
+]
+
+logger = logging.getLogger("keras_mirror_kit")
+
+# One debug line per process when Keras' private module layout moved.
+_KERAS_LAYOUT_LOGGED: list[bool] = []
+
+
+def _skip_global_random(err: ImportError) -> None:
+    """Logs once that Keras' global random state (private modules) is not saved or restored."""
+    if not _KERAS_LAYOUT_LOGGED:
+        _KERAS_LAYOUT_LOGGED.append(True)
+        logger.debug(
+            "keras-mirror-kit: Keras' global random state is not saved or restored (its "
+            "private module moved: %s)",
+            err,
+        )
+
+
+def state_variables(model: Any, legacy: bool = False) -> list[tuple[str, Any]]:
+    """`(group, variable)` of what a checkpoint of `model` holds, in the saved order.
+
+    `("model", v)` for `model.variables` (weights and the random layers' state; no
+    metrics), then `("optimizer", v)` for the optimizer's. `legacy`: what files without
+    `"state"` hold (`model.weights`, without the random layers' seed-generator state).
+    """
+    # model.variables = weights + the random layers' seed-generator state (no metrics).
+    model_variables = model.weights if legacy else model.variables
+    named = [("model", v) for v in model_variables]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        named += [("optimizer", v) for v in optimizer.variables]
+    return named
+
+
+def build_optimizer(model: Any) -> None:
+    """Builds the optimizer of `model` if needed, so that its variables can be restored."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not optimizer.built:
+        with engine_of(model).scope():
+            optimizer.build(model.trainable_variables)
+
+
+def global_random_state() -> np.ndarray | None:
+    """Keras' global seed-generator state (saved as `"random/global"`), where it is used.
+
+    None when Keras' global seed generator was never created or its private module moved
+    (logged once at DEBUG).
+    """
+    try:  # private Keras: a layout change must only lose this part of the state
+        from keras.src.backend.common import global_state
+    except ImportError as err:
+        _skip_global_random(err)
+        return None
+    global_seed = global_state.get_global_attribute("global_seed_generator")
+    if global_seed is None:
+        return None
+    return np.asarray(global_seed.state.numpy())
+
+
+def apply_state(model: Any, loaded: LoadedCheckpoint, directory: str | os.PathLike[str]) -> None:
+    """Checks a checkpoint's variables against the model's (its optimizer built), then
+    assigns them all; a learning rate that differs from the saved one is replaced, with a
+    warning.
+
+    Raises:
+        CheckpointError: When the checkpoint was written by another model or optimizer;
+            nothing is assigned then.
+    """
+    legacy = loaded.meta.legacy_state
+    # Matched by path, never by position (match_state); model order from here on.
+    matched = match_state(
+        state_variables(model, legacy=legacy), loaded, directory, auto_name_prefixes(model)
+    )
+    keys = [key for key, _ in matched]
+    named = [pair for _, pair in matched]
+    if legacy:
+        logger.info(
+            "keras-mirror-kit: %s predates random-state saving; the random layers' "
+            "seeds are not restored",
+            loaded.path,
+        )
+    _log_learning_rate_change(named, keys, loaded)
+    for key, (_, variable) in zip(keys, named):
+        variable.assign(loaded.arrays[key])
+    if "random/global" in loaded.arrays:
+        try:
+            from keras.src.random.seed_generator import global_seed_generator
+        except ImportError as err:
+            _skip_global_random(err)
+        else:
+            global_seed_generator().state.assign(loaded.arrays["random/global"])
+
+
+def _log_learning_rate_change(
+    named: list[tuple[str, Any]], keys: list[str], loaded: LoadedCheckpoint
+) -> None:
+    """Warns when the checkpoint's learning rate replaces another one."""
+    for key, (group, variable) in zip(keys, named):
+        if group != "optimizer" or not variable.path.endswith("/learning_rate"):
+            continue
+        now, saved = float(variable.numpy()), float(loaded.arrays[key])
+        if not np.isclose(now, saved, rtol=1e-6, atol=0.0):
+            logger.warning(
+                "keras-mirror-kit: the optimizer's learning rate %g is replaced by the "
+                "checkpoint's %g (the saved optimizer state is restored). To go on with "
+                "another rate, set model.optimizer.learning_rate in on_train_begin of a "
+                "callback listed after SyncedCheckpoint, or use a LearningRateScheduler.",
+                now,
+                saved,
+            )
+
+
+class Pairing(NamedTuple):
+    """`(saved index, model index)` of every matched variable, and the mismatches in words."""
+
+    pairs: list[tuple[int, int]]
+    differences: list[str]
+
+
+def _snake_case(name: str) -> str:
+    """Keras' `to_snake_case` (keras.src.utils.naming), which auto-names derive from."""
+    name = re.sub(r"\W+", "", name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    name = re.sub("([a-z])([A-Z])", r"\1_\2", name)
+    return name.lower()
+
+
+def auto_name_prefixes(model: Any) -> set[str]:
+    """The names Keras may have auto-numbered in `model`'s variable paths.
+
+    The snake-case class names of the model, its layers (nested too) and its optimizer,
+    and `"seed_generator"`.
+    """
+    objects: list[Any] = [model]
+    flatten = getattr(model, "_flatten_layers", None)
+    if callable(flatten):
+        objects += list(flatten(include_self=False, recursive=True))
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        objects.append(optimizer)
+        inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
+        if inner is not None:
+            objects.append(inner)
+    prefixes = {_snake_case(type(obj).__name__) for obj in objects}
+    prefixes.add("seed_generator")
+    return {p for p in prefixes if p}
+
+
+def _normalizer(prefixes: Iterable[str], flattened: bool) -> re.Pattern[str] | None:
+    """Matches `prefix_N`; after `_` too only in flattened optimizer paths (`adam/model_1_x`)."""
+    names = sorted(prefixes, key=len, reverse=True)
+    if not names:
+        return None
+    alternatives = "|".join(re.escape(n) for n in names)
+    left = "[/_:]" if flattened else "[/:]"
+    return re.compile(rf"(^|{left})({alternatives})_\d+(?=$|/|_)")
+
+
+def pair_by_path(
+    saved: Sequence[tuple[str, str, tuple[int, ...]]],
+    here: Sequence[tuple[str, str, tuple[int, ...]]],
+    prefixes: Iterable[str],
+    roots: Iterable[str] = (),
+) -> Pairing:
+    """Pairs saved variables with a model's by `(group, path)`, then compares shapes.
+
+    `saved` and `here` hold `(group, path, shape)` of each variable; `prefixes` are the
+    auto-generated names whose `_N` suffix may differ (`auto_name_prefixes`); `roots`,
+    model names that may lead the paths on one side only (Keras names a variable
+    `model/layer/kernel` or `layer/kernel` depending on how the model was built, e.g.
+    deserialized from its config), ignored when the paths match exactly.
+    """
+    exact = sorted((g, p) for g, p, _ in saved) == sorted((g, p) for g, p, _ in here)
+    prefixes = list(prefixes)
+    patterns = {flat: None if exact else _normalizer(prefixes, flat) for flat in (False, True)}
+
+    def norm(path: str, group: str = "") -> str:
+        pattern = patterns[group == "optimizer"]
+        return pattern.sub(r"\1\2", path) if pattern is not None else path
+
+    tops = [] if exact else [norm(root) for root in roots]
+
+    def key(group: str, path: str) -> tuple[str, str]:
+        path = norm(path, group)
+        for top in tops:
+            head, _, rest = path.partition("/")
+            if head == top and rest:  # model/layer/kernel -> layer/kernel
+                path = rest
+            elif group == "optimizer" and rest.startswith(f"{top}_"):  # adam/model_layer_...
+                path = f"{head}/{rest[len(top) + 1 :]}"
+        return (group, path)
+
+    waiting: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for i, (group, path, _) in enumerate(saved):
+        waiting[key(group, path)].append(i)
+    pairs: list[tuple[int, int]] = []
+    shapes: list[str] = []
+    missing: list[str] = []
+    for j, (group, path, shape) in enumerate(here):
+        queue = waiting.get(key(group, path))
+        if not queue:
+            missing.append(f"{group}:{path} {tuple(shape)} here is not in the checkpoint")
+            continue
+        i = queue.pop(0)  # same (normalized) path: in order, as Keras numbers them
+        pairs.append((i, j))
+        if tuple(saved[i][2]) != tuple(shape):
+            shapes.append(
+                f"{group}:{path} is {tuple(saved[i][2])} in the checkpoint, {tuple(shape)} here"
+            )
+    extra = [
+        f"{saved[i][0]}:{saved[i][1]} {tuple(saved[i][2])} in the checkpoint is not here"
+        for i in sorted(i for queue in waiting.values() for i in queue)
+    ]
+    # Shape mismatches first, then the unmatched paths of both sides, alternately.
+    differences = shapes + [
+        d for both in zip_longest(missing, extra) for d in both if d is not None
+    ]
+    return Pairing(pairs=pairs, differences=differences)
+
+
+def match_state(
+    named: Sequence[tuple[str, Any]],
+    loaded: LoadedCheckpoint,
+    directory: str | os.PathLike[str],
+    prefixes: Iterable[str],
+    groups: Sequence[str] = ("model", "optimizer"),
+    roots: Iterable[str] = (),
+) -> list[tuple[str, tuple[str, Any]]]:
+    """`(array key, (group, variable))` for each of `named`, in its order, or a refusal.
+
+    `groups` are the saved groups to restore (`("model",)`: weights only); `roots` as for
+    `pair_by_path`.
+
+    Raises:
+        CheckpointError: When a path or shape differs; nothing is assigned then.
+    """
+    saved_paths = list(loaded.meta.variables)
+    keys = sorted(
+        (k for k in loaded.arrays if k.split("/")[0] in groups),
+        key=lambda k: int(k.split("/")[1]),
+    )
+    shapes = loaded.shapes  # from the file's array headers: no array is read here
+    saved = []
+    for key in keys:
+        group, number = key.split("/")[0], int(key.split("/")[1])
+        path = saved_paths[number].partition(":")[2] if number < len(saved_paths) else "?"
+        saved.append((group, path, tuple(shapes[key])))
+    here = [(group, v.path, tuple(v.shape)) for group, v in named]
+    pairing = pair_by_path(saved, here, prefixes, roots)
+    if pairing.differences:
+        differences = pairing.differences
+        count = f"{len(saved)} variables in the checkpoint, {len(here)} here"
+        what = "this model and optimizer" if "optimizer" in groups else "this model"
+        raise CheckpointError(
+            f"The checkpoint {str(loaded.path)!r} does not match {what} ({count}; "
+            f"{len(differences)} difference(s) by path or shape, first: "
+            f"{'; '.join(differences[:6])}). It was written by another model or optimizer "
+            "(variables are matched by path, never by position); nothing was restored or "
+            "trained. Use a new checkpoint directory, or build the model and optimizer the "
+            f"checkpoint was written with. Received: directory={str(directory)!r}"
+        )
+    by_model = sorted(pairing.pairs, key=lambda pair: pair[1])
+    return [(keys[i], tuple(named[j])) for i, j in by_model]  # type: ignore[misc]

@@ -1,0 +1,143 @@
+"""The package's layout rules (docs/contributing.md), checked on its source.
+
+Read with `ast`, nothing is imported: module size, import circles (imports under
+`TYPE_CHECKING` and inside functions count), what the core and the launcher may import, and
+that no `_kmk_*` attribute is set on anything.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.subproc import REPO
+
+PACKAGE = REPO / "keras_mirror_kit"
+MAX_LINES = 700
+# What sits above the core: nothing in the core may import these.
+ABOVE_CORE = (
+    "keras_mirror_kit.callbacks",
+    "keras_mirror_kit.integrations",
+    "keras_mirror_kit.cli",
+    "keras_mirror_kit.multi_worker.launch",
+)
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The package's modules that `name` imports (a package import means its __init__)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                targets.add(full if full in MODULES else base)
+    return {t for t in targets if t in MODULES and t != name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def test_no_module_is_longer_than_700_lines():
+    long = {
+        name: n
+        for name, path in MODULES.items()
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    assert not long, long
+
+
+def test_no_two_modules_import_each_other_directly_or_around_a_circle():
+    # A package's __init__ that re-exports its modules is not a circle with them.
+    def edges(name: str) -> set[str]:
+        return {
+            t
+            for t in GRAPH[name]
+            if not (name.startswith(f"{t}.") and MODULES[t].name == "__init__.py")
+        }
+
+    state: dict[str, int] = {}
+    circles: list[list[str]] = []
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(edges(name)):
+            if state.get(target) == 1:
+                circles.append(
+                    [*trail[trail.index(target) :], target] if target in trail else [name, target]
+                )
+            elif not state.get(target):
+                visit(target, [*trail, target])
+        state[name] = 2
+
+    for name in sorted(GRAPH):
+        if not state.get(name):
+            visit(name, [name])
+    assert not circles, circles
+
+
+def test_the_core_imports_nothing_above_it():
+    upward = {
+        name: sorted(t for t in targets if t.startswith(ABOVE_CORE))
+        for name, targets in GRAPH.items()
+        if not name.startswith(ABOVE_CORE) and name != "keras_mirror_kit"
+    }
+    assert not {k: v for k, v in upward.items() if v}
+
+
+def test_the_launcher_and_the_shared_multi_worker_names_import_the_standard_library_only():
+    for name, path in MODULES.items():
+        if not (
+            name.startswith("keras_mirror_kit.multi_worker.launch")
+            or name in ("keras_mirror_kit.multi_worker", "keras_mirror_kit.multi_worker.gpus")
+        ):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        third_party = {
+            (node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0)
+            for alias in node.names
+        } - {"keras_mirror_kit", "__future__"}
+        assert not third_party & {"tensorflow", "keras", "numpy", "jax", "wandb"}, name
+
+
+def test_wandb_is_imported_only_by_its_integration():
+    importers = [
+        name
+        for name, path in MODULES.items()
+        if "import wandb" in path.read_text(encoding="utf-8")
+        and name != "keras_mirror_kit.integrations.wandb"
+    ]
+    assert not importers
+
+
+def test_no_kmk_attribute_is_set_on_anything():
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_kmk_"):
+                found.append(f"{name}: .{node.attr}")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if node.value.startswith("_kmk_") and node.value != "_kmk_model_factory":
+                    found.append(f"{name}: {node.value!r}")
+    assert not found, found
