@@ -24,6 +24,7 @@ exactly.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,6 +209,29 @@ def _check_training_remainder(x: Any, dist: Distribution) -> None:
         )
 
 
+def _check_worker_part(x: Any, dist: Distribution, method: str, argument: str) -> None:
+    """A file source decoding one worker's part must know the model's replicas per worker.
+
+    Its part is computed when it is built (from the strategy, else a live `Distribution`,
+    else the visible GPUs); a part computed for another layout would decode the wrong
+    samples, which the sharding would then keep.
+    """
+    sharding = sys.modules.get("keras_mirror_kit.data.sharding")  # imports TensorFlow
+    info = _find(x, _KEEPS_BATCH)[0]
+    part = sharding.part_of(info.cursor) if sharding and info is not None else None
+    if part is None:
+        return
+    layout = (part.num_workers, part.num_workers * part.replicas_per_worker)
+    if layout != (dist.num_workers, dist.num_replicas):
+        raise ValueError(
+            f"{method}() was given a dataset that decodes this worker's part of each batch "
+            f"for {part.num_workers} workers x {part.replicas_per_worker} replicas, but the "
+            f"model runs on {dist.num_workers} worker(s) and {dist.num_replicas} replica(s) in "
+            "all. Build the dataset after the model (after calling the decorated factory), "
+            "so that it knows the replicas. "
+            f"Received: {argument}={type(x).__name__}"
+        )
+
 def check_even_batches(given: dict[str, Any], dist: Distribution, method: str) -> None:
     """For a backend that shards each batch over the devices (JAX): every batch of the call's
     data must split evenly, where that is known before any step (arrays, kit datasets)."""
@@ -258,6 +282,7 @@ def check_input(x: Any, dist: Distribution, method: str, argument: str = "x") ->
             "Keras distributes it itself, and distributing it yourself copies the data "
             f"again. Received: {argument}={type(x).__name__}"
         )
+    _check_worker_part(x, dist, method, argument)
     if method != "fit" or argument != "x":
         return
     _check_training_remainder(x, dist)

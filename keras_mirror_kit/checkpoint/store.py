@@ -276,15 +276,28 @@ def _sha256_of(path: Path) -> str:
 
 
 def _member_shape(archive: zipfile.ZipFile, name: str) -> tuple[int, ...]:
-    """The shape of one `.npy` member, from its header alone."""
+    """The shape of one `.npy` member, from its header alone.
+
+    A member whose dtype holds Python objects (a pickle) is refused here, so such a file is
+    reported as unreadable (and skipped for the previous checkpoint) before anything reads
+    it: the kit never unpickles a checkpoint.
+    """
+    header = None
     with archive.open(name) as member:
         version = np.lib.format.read_magic(member)
         if version == (1, 0):
-            return tuple(np.lib.format.read_array_header_1_0(member)[0])
-        if version == (2, 0):
-            return tuple(np.lib.format.read_array_header_2_0(member)[0])
-    with archive.open(name) as member:  # another header version: read the array
-        return tuple(np.lib.format.read_array(member, allow_pickle=False).shape)
+            header = np.lib.format.read_array_header_1_0(member)
+        elif version == (2, 0):
+            header = np.lib.format.read_array_header_2_0(member)
+    if header is None:
+        with archive.open(name) as member:  # another header version: read the array
+            return tuple(np.lib.format.read_array(member, allow_pickle=False).shape)
+    shape, _, dtype = header
+    if dtype.hasobject:
+        raise ValueError(
+            f"member {name} holds Python objects (a pickle), which the kit never loads"
+        )
+    return tuple(shape)
 
 
 def _read_meta(archive: zipfile.ZipFile) -> object:

@@ -2,7 +2,12 @@
 
 Modules: `pipeline` (`make_dataset`), `cursor` (`DatasetCursor`: the epoch, batch and seed
 the next iteration starts from), `info` (`DatasetInfo`: what the kit records of a dataset it
-built, and its one reader), `preprocess` (`rescale()` and the replica-side twin).
+built, and its one reader), `preprocess` (`rescale()` and the replica-side twin), `sources`
+(a list of items read by `load`, in an `index_shuffle` order; tables), `samples` (per-sample
+`load`, batching, this worker's part), `folders` (`image_dataset_from_directory`,
+`text_dataset_from_directory` with Keras' signatures), `records` (`tfrecord_dataset` and its
+record index), `augment` (random draws keyed on seed, epoch and batch), `sharding` (which
+samples each worker decodes).
 
 The names are imported from their modules on first use (PEP 562): `data.info`, which the
 core reads on every backend, imports no TensorFlow, and the pipeline's modules (which do)
@@ -16,6 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from keras_mirror_kit.data.cursor import DatasetCursor
+    from keras_mirror_kit.data.folders import (
+        image_dataset_from_directory,
+        text_dataset_from_directory,
+    )
     from keras_mirror_kit.data.info import DatasetInfo, cursor_of, dataset_info
     from keras_mirror_kit.data.pipeline import make_dataset
     from keras_mirror_kit.data.preprocess import (
@@ -25,6 +34,7 @@ if TYPE_CHECKING:
         replica_variant,
         rescale,
     )
+    from keras_mirror_kit.data.records import tfrecord_dataset
 
 _LAZY = {
     "PREPROCESS_ON": "keras_mirror_kit.data.preprocess",
@@ -33,10 +43,13 @@ _LAZY = {
     "ReplicaVariant": "keras_mirror_kit.data.preprocess",
     "cursor_of": "keras_mirror_kit.data.info",
     "dataset_info": "keras_mirror_kit.data.info",
+    "image_dataset_from_directory": "keras_mirror_kit.data.folders",
     "make_dataset": "keras_mirror_kit.data.pipeline",
     "preprocess_placement": "keras_mirror_kit.data.preprocess",
     "replica_variant": "keras_mirror_kit.data.preprocess",
     "rescale": "keras_mirror_kit.data.preprocess",
+    "text_dataset_from_directory": "keras_mirror_kit.data.folders",
+    "tfrecord_dataset": "keras_mirror_kit.data.records",
 }
 
 __all__ = [
@@ -46,10 +59,13 @@ __all__ = [
     "ReplicaVariant",
     "cursor_of",
     "dataset_info",
+    "image_dataset_from_directory",
     "make_dataset",
     "preprocess_placement",
     "replica_variant",
     "rescale",
+    "text_dataset_from_directory",
+    "tfrecord_dataset",
 ]
 
 
