@@ -9,6 +9,10 @@ reported per replica, and training resumes from crash-safe checkpoints.
     python examples/cifar10_cnn.py                        # all GPUs (or the CPU)
     python examples/cifar10_cnn.py --simulate-replicas 2  # 2 replicas on a laptop / CI
     python examples/cifar10_cnn.py --help
+    KERAS_BACKEND=jax python examples/cifar10_cnn.py --simulate-replicas 2  # the same on JAX
+
+On Keras' JAX backend the same script trains with `keras.distribution.DataParallel` over the
+local devices (the input pipeline still uses tf.data, so TensorFlow must be installed).
 
 With no local copy and no usable download (offline, or behind a proxy or captive portal that
 answers with a web page, which is discarded), `--data auto` (the default) trains on synthetic
@@ -211,7 +215,7 @@ def main(argv: list[str] | None = None) -> float:
     import keras_mirror_kit as kmk
 
     if args.simulate_replicas:
-        kmk.simulate_replicas(args.simulate_replicas)  # before TensorFlow starts
+        kmk.simulate_replicas(args.simulate_replicas)  # before the backend starts
 
     import keras
 

@@ -43,9 +43,14 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
         CorruptCheckpointWarning,
     )
     from keras_mirror_kit.data.cursor import DatasetCursor
+    from keras_mirror_kit.data.folders import (
+        image_dataset_from_directory,
+        text_dataset_from_directory,
+    )
     from keras_mirror_kit.data.info import cursor_of
     from keras_mirror_kit.data.pipeline import make_dataset
     from keras_mirror_kit.data.preprocess import preprocess_placement, rescale
+    from keras_mirror_kit.data.records import tfrecord_dataset
     from keras_mirror_kit.devices import nccl_available
     from keras_mirror_kit.distributed import DistributedFactory, distributed
     from keras_mirror_kit.distribution import Distribution, current
@@ -82,6 +87,9 @@ _LAZY: dict[str, str] = {
     "distributed": "keras_mirror_kit.distributed",
     "distribution_of": "keras_mirror_kit.model_record",
     "global_batch_size": "keras_mirror_kit.scaling",
+    "image_dataset_from_directory": "keras_mirror_kit.data.folders",
+    "text_dataset_from_directory": "keras_mirror_kit.data.folders",
+    "tfrecord_dataset": "keras_mirror_kit.data.records",
     "make_dataset": "keras_mirror_kit.data.pipeline",
     "models": "keras_mirror_kit.models",
     "nccl_available": "keras_mirror_kit.devices",
@@ -126,6 +134,7 @@ __all__ = [
     "distributed",
     "distribution_of",
     "global_batch_size",
+    "image_dataset_from_directory",
     "make_dataset",
     "models",
     "nccl_available",
@@ -136,6 +145,8 @@ __all__ = [
     "scale_learning_rate",
     "simulate_replicas",
     "synchronize_batch_norm",
+    "text_dataset_from_directory",
+    "tfrecord_dataset",
     "__version__",
 ]
 

@@ -24,15 +24,21 @@ exactly.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_mirror_kit.data.info import DatasetInfo, dataset_info
 from keras_mirror_kit.distribution import Distribution
+from keras_mirror_kit.tensorflow_objects import (
+    is_dataset,
+    is_distributed_dataset,
+    is_tensor,
+    tensorflow_if_imported,
+)
 
 __all__ = [
     "BatchPlan",
@@ -104,14 +110,15 @@ def is_array_data(x: Any) -> bool:
     `__array__` such as pandas frames, sparse tensors and matrices), or a structure of them;
     not datasets, generators, `PyDataset`s or None.
     """
-    if x is None or isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+    if x is None or is_dataset(x) or is_distributed_dataset(x):
         return False
     can_convert = _keras_can_convert_arrays()
     if can_convert is not None:
         return bool(can_convert((x,)))
-    leaves = tf.nest.flatten(x)
+    leaves = keras.tree.flatten(x)
     return bool(leaves) and all(
-        isinstance(leaf, (np.ndarray, tf.Tensor)) and len(np.shape(leaf)) > 0 for leaf in leaves
+        (isinstance(leaf, np.ndarray) or is_tensor(leaf)) and len(np.shape(leaf)) > 0
+        for leaf in leaves
     )
 
 
@@ -163,7 +170,8 @@ def dataset_batch_size(dataset: Any) -> int | None:
     info, node = _find(dataset, _KEEPS_BATCH)
     if info is not None:
         return info.batch_size
-    if type(node).__name__ in _BATCHING:
+    tf = tensorflow_if_imported()  # a tf.data node exists only once TensorFlow is imported
+    if tf is not None and type(node).__name__ in _BATCHING:
         value = tf.get_static_value(getattr(node, "_batch_size", None))
         return int(value) if value is not None else None
     return None
@@ -200,6 +208,29 @@ def _check_training_remainder(x: Any, dist: Distribution) -> None:
             f"Received: batch_size={info.batch_size}, samples={info.epoch_samples}"
         )
 
+
+def _check_worker_part(x: Any, dist: Distribution, method: str, argument: str) -> None:
+    """A file source decoding one worker's part must know the model's replicas per worker.
+
+    Its part is computed when it is built (from the strategy, else a live `Distribution`,
+    else the visible GPUs); a part computed for another layout would decode the wrong
+    samples, which the sharding would then keep.
+    """
+    sharding = sys.modules.get("keras_mirror_kit.data.sharding")  # imports TensorFlow
+    info = _find(x, _KEEPS_BATCH)[0]
+    part = sharding.part_of(info.cursor) if sharding and info is not None else None
+    if part is None:
+        return
+    layout = (part.num_workers, part.num_workers * part.replicas_per_worker)
+    if layout != (dist.num_workers, dist.num_replicas):
+        raise ValueError(
+            f"{method}() was given a dataset that decodes this worker's part of each batch "
+            f"for {part.num_workers} workers x {part.replicas_per_worker} replicas, but the "
+            f"model runs on {dist.num_workers} worker(s) and {dist.num_replicas} replica(s) in "
+            "all. Build the dataset after the model (after calling the decorated factory), "
+            "so that it knows the replicas. "
+            f"Received: {argument}={type(x).__name__}"
+        )
 
 def check_even_batches(given: dict[str, Any], dist: Distribution, method: str) -> None:
     """For a backend that shards each batch over the devices (JAX): every batch of the call's
@@ -243,7 +274,7 @@ def check_input(x: Any, dist: Distribution, method: str, argument: str = "x") ->
     `ValueError` for a dataset already distributed over the replicas, or, for `fit`'s `x`, one
     batched to another size than the global batch size. `argument` names it in messages.
     """
-    if isinstance(x, tf.distribute.DistributedDataset):
+    if is_distributed_dataset(x):
         raise ValueError(
             f"{method}() was given a dataset already distributed over the replicas (by "
             "strategy.experimental_distribute_dataset or distribute_datasets_from_function). "
@@ -251,6 +282,7 @@ def check_input(x: Any, dist: Distribution, method: str, argument: str = "x") ->
             "Keras distributes it itself, and distributing it yourself copies the data "
             f"again. Received: {argument}={type(x).__name__}"
         )
+    _check_worker_part(x, dist, method, argument)
     if method != "fit" or argument != "x":
         return
     _check_training_remainder(x, dist)

@@ -29,13 +29,11 @@ import inspect
 import logging
 import types
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import keras
-import tensorflow as tf
 
 from keras_mirror_kit import backends
-from keras_mirror_kit.data.cursor import DatasetCursor
 from keras_mirror_kit.distribution import Distribution
 from keras_mirror_kit.fit_inputs import (
     BatchPlan,
@@ -46,7 +44,11 @@ from keras_mirror_kit.fit_inputs import (
     plan_batches,
 )
 from keras_mirror_kit.model_record import record_of
+from keras_mirror_kit.tensorflow_objects import is_dataset
 from keras_mirror_kit.workarounds.keras_epoch_rounding import check_step_arguments
+
+if TYPE_CHECKING:
+    from keras_mirror_kit.data.cursor import DatasetCursor
 
 __all__ = [
     "EpochOrder",
@@ -145,7 +147,7 @@ class EpochOrder(keras.callbacks.Callback):
 
 def _orders_itself(x: Any) -> bool:
     """Data whose order Keras does not choose (and warns about when `shuffle=True`)."""
-    return isinstance(x, (tf.data.Dataset, types.GeneratorType))
+    return is_dataset(x) or isinstance(x, types.GeneratorType)
 
 
 def _with_epoch_order(callbacks: Any, x: Any) -> Any:

@@ -29,7 +29,6 @@ from keras_mirror_kit.distribution import Distribution, activate
 from keras_mirror_kit.model_record import record_of, register_model
 from keras_mirror_kit.precision import keep_outputs_float32
 from keras_mirror_kit.schedules import check_accumulation
-from keras_mirror_kit.workarounds import keras_grad_accumulation
 
 __all__ = ["ModelOptions", "check_model", "is_prepared", "prepare_model"]
 
@@ -81,7 +80,9 @@ def _apply_steps_per_execution(model: Any, steps: int | None, name: str) -> None
 
 def _apply_gradient_accumulation(model: Any, steps: int, name: str) -> None:
     """Gives the optimizer `distributed(gradient_accumulation_steps=)`, refusing another value."""
-    optimizer = keras_grad_accumulation.accumulating_optimizer(getattr(model, "optimizer", None))
+    optimizer = getattr(model, "optimizer", None)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer  # the one holding gradient_accumulation_steps
     if optimizer is None:
         return
     given = getattr(optimizer, "gradient_accumulation_steps", None) or 1

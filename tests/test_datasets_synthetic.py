@@ -103,12 +103,19 @@ def test_memory_frugal() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
-    [{"num_train": -1}, {"num_test": 2.5}, {"seed": -3}, {"seed": True}, {"num_train": "10"}],
+    ("kwargs", "error"),
+    [
+        ({"num_train": -1}, ValueError),
+        ({"num_test": 2.5}, TypeError),
+        ({"seed": -3}, ValueError),
+        ({"seed": True}, TypeError),
+        ({"num_train": "10"}, TypeError),
+    ],
 )
-def test_invalid_arguments(kwargs: dict[str, object]) -> None:
+def test_invalid_arguments(kwargs: dict[str, object], error: type[Exception]) -> None:
+    """A wrong value is a ValueError, a wrong type a TypeError; both name what was given."""
     name, value = next(iter(kwargs.items()))
-    with pytest.raises(ValueError, match=f"Received: {name}={value!r}"):
+    with pytest.raises(error, match=f"Received: {name}={value!r}"):
         make_synthetic_cifar10(**kwargs)  # type: ignore[arg-type]
 
 

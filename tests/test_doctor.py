@@ -62,12 +62,35 @@ def test_doctor_passes_here_with_its_self_test() -> None:
     assert isolation["status"] == ("ok" if probe.available else "warn"), isolation
 
 
-def test_doctor_fails_on_another_keras_backend() -> None:
-    proc = _doctor(env={"KERAS_BACKEND": "jax"})  # the table, as a user reads it
+def test_doctor_passes_on_jax_with_its_self_test_there() -> None:
+    """JAX's devices, what distributed() picks there, and the self-test run on JAX."""
+    proc = _doctor("--json", env={"KERAS_BACKEND": "jax"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    checks = _by_name(report)
+    for name in ("python", "tensorflow", "keras", "jax", "backend", "gpus", "cuda", "nccl"):
+        assert checks[name][0]["status"] == "ok", checks[name]
+    assert checks["backend"][0]["detail"].startswith("jax: keras.distribution.DataParallel")
+    assert "only for tf.data" in checks["tensorflow"][0]["detail"]
+    assert "XLA runs the SPMD program's collectives" in checks["nccl"][0]["detail"]
+    assert "DataParallel on 1 replica(s) (cpu:0)" in checks["distributed()"][0]["detail"]
+    info = report["info"]
+    assert info["keras_backend"] == "jax" and info["framework"] == "JAX"
+    assert info["logical_devices"] == ["cpu:0"] and info["physical_gpus"] == []
+    result = report["self_test"]
+    assert result["backend"] == "jax" and result["devices"] == ["cpu:0", "cpu:1"]
+    assert result["layout"] == "2 replicas simulated on the CPU" and result["steps"] == 32
+    assert 0 <= result["max_abs_diff"] <= doctor.SELF_TEST_ATOL and result["finite"]
+    assert result["cross_device_ops"] == "xla-spmd" and result["all_reduce_correct"]
+    assert checks["self-test"][0]["status"] == checks["all-reduce"][0]["status"] == "ok"
+
+
+def test_doctor_fails_on_a_backend_the_kit_does_not_distribute_on() -> None:
+    proc = _doctor("--no-self-test", env={"KERAS_BACKEND": "numpy"})  # the table
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
-    assert re.search(r"FAIL\s+backend\s+Keras runs on the 'jax' backend", proc.stdout)
-    assert "KERAS_BACKEND=tensorflow" in proc.stdout
-    assert re.search(r"skip\s+self-test", proc.stdout)
+    assert re.search(r"FAIL\s+backend\s+keras-mirror-kit distributes training on", proc.stdout)
+    assert "no data-parallel API for the 'numpy' backend" in proc.stdout
+    assert "KERAS_BACKEND=tensorflow (or jax)" in proc.stdout
     assert "check(s) failed: backend" in proc.stdout
 
 
@@ -100,3 +123,28 @@ def test_supported_versions_are_the_package_requirements() -> None:
     assert bounds(project["requires-python"]) == doctor.SUPPORTED_PYTHON
     assert bounds(requirements["tensorflow"]) == doctor.SUPPORTED_TENSORFLOW
     assert bounds(requirements["keras"]) == doctor.SUPPORTED_KERAS
+
+
+def test_doctor_model_refuses_clearly_on_jax(tmp_path) -> None:
+    """kmk.check_replicas simulates TensorFlow replicas: on JAX it says so, before any run."""
+    (tmp_path / "train.py").write_text(
+        "import keras\n"
+        "import numpy as np\n"
+        "def dense():\n"
+        "    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])\n"
+        "    model.compile('sgd', 'mse')\n"
+        "    return model\n"
+        "def data():\n"
+        "    return np.zeros((64, 4), 'float32'), np.zeros((64, 1), 'float32')\n",
+        encoding="utf-8",
+    )
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}", "KERAS_BACKEND": "jax"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_mirror_kit.cli", "doctor", "--model", "train:dense",
+         "--data", "train:data"],
+        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert "runs on Keras' TensorFlow backend only" in proc.stderr
+    assert "KERAS_BACKEND=tensorflow" in proc.stderr
+    assert "Received: keras.backend.backend()='jax'" in proc.stderr

@@ -18,9 +18,9 @@ from keras_mirror_kit.throughput.flops import (
     FlopCount,
     count_training_flops,
     model_compute_dtype,
-    model_input_specs,
     training_flops_per_sample,
 )
+from keras_mirror_kit.throughput.flops_tf import model_input_specs
 from keras_mirror_kit.validation import optional_positive_number
 from tests import models
 

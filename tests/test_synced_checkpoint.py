@@ -506,14 +506,16 @@ class _Payload:
         return (open, (self.path, "w"))
 
 
-def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path):
+def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path, capsys):
     """docs/security.md: checkpoints are read with NumPy's allow_pickle=False. A checkpoint
     whose first variable is replaced by a pickled object array of the right shape, with a
-    manifest entry that matches it (someone who can write the directory), is refused at
-    resume; its payload, live under np.load(allow_pickle=True), never runs."""
+    manifest entry that matches it (someone who can write the directory), is skipped as
+    unreadable at resume (the previous checkpoint is used) and fails `ckpt verify`; its
+    payload, live under np.load(allow_pickle=True), never runs."""
     import io
     import zipfile
 
+    from keras_mirror_kit import cli
     from keras_mirror_kit.checkpoint import store as checkpoint_store
 
     directory, marker = tmp_path / "ckpt", tmp_path / "unpickled"
@@ -545,9 +547,15 @@ def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path):
     (directory / "manifest.json").write_text(json.dumps(manifest))
 
     fresh, ds = build("sgd", seed=1), dataset()
-    with pytest.raises(ValueError, match="Object arrays cannot be loaded when allow_pickle=False"):
-        fresh.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(directory, dataset=ds)])
+    checkpoint = SyncedCheckpoint(directory, dataset=ds)
+    with pytest.warns(CorruptCheckpointWarning, match="holds Python objects"):
+        fresh.fit(ds, epochs=2, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.last_restored.path.name == manifest["checkpoints"][-2]["file"]
     assert not marker.exists(), "the checkpoint's pickle was loaded"
+    capsys.readouterr()
+    assert cli.main(["ckpt", "verify", str(directory), evil.name]) == 1
+    assert "holds Python objects" in capsys.readouterr().out
+    assert not marker.exists()
     with np.load(evil, allow_pickle=True) as unsafe:  # the payload is live: the test can fail
         unsafe["model/00000"]  # noqa: B018
     assert marker.exists()

@@ -13,8 +13,8 @@ Everything else in the kit asks `current()` for the backend's module and talks t
 `Engine` (the backend's data-parallel object behind one small interface); no other module
 calls `keras.backend.backend()`. What the checkpoints ask of a backend (a variable's value
 and its host copy, the finite check on the devices, the replicas' copies and their
-comparison) lives in `tensorflow_state` and `jax_state`, exported by the backend's module. Torch and NumPy are refused (Keras 3.15 has no
-distribution API for them).
+comparison) lives in `tensorflow_state` and `jax_state`, exported by the backend's module.
+Torch and NumPy are refused (Keras 3.15 has no distribution API for them).
 """
 
 from __future__ import annotations

@@ -365,3 +365,181 @@ def call(
 def block_contexts() -> list[AbstractContextManager[Any]]:
     """Nothing besides the distribution's scope."""
     return []
+
+
+def count_training_flops(model: Any, input_specs: Any, label_spec: Any) -> Any:
+    """XLA's cost analysis of the lowered training computation (`throughput.flops_jax`)."""
+    from keras_mirror_kit.throughput import flops_jax
+
+    return flops_jax.count_training_flops(model, input_specs, label_spec)
+
+
+# `jax_default_matmul_precision` values under which float32 dots run as TF32 on a GPU
+# (None: XLA's default precision, TF32 on compute capability 8.0+).
+_TF32_PRECISIONS = ("default", "fastest", "tensorfloat32")
+
+
+def gpu_identity(gpu_indices: Sequence[int]) -> tuple[str, bool, int]:
+    """The first replica GPU's name (`device_kind`), whether float32 dots run as TF32 on it,
+    and how many GPUs the replicas are on (JAX does not split a GPU)."""
+    import jax
+
+    try:
+        gpus = {device.id: device for device in jax.devices("gpu")}
+    except RuntimeError:  # no GPU platform
+        gpus = {}
+    first = gpus.get(gpu_indices[0]) if gpu_indices else None
+    if first is None:
+        return "unknown GPU", False, max(1, len(set(gpu_indices)))
+    try:
+        capability = tuple(int(p) for p in str(first.compute_capability).split("."))
+    except (AttributeError, ValueError):
+        capability = (0, 0)
+    precision = jax.config.jax_default_matmul_precision
+    as_tf32 = precision is None or str(precision).lower() in _TF32_PRECISIONS
+    tf32 = capability >= (8, 0) and as_tf32
+    return str(first.device_kind), tf32, len(set(gpu_indices))
+
+
+#: Why `check_replicas` (`doctor --model`) does not run on this backend; None: it does.
+REPLICA_CHECK_REFUSAL = (
+    "kmk.check_replicas (keras-mirror-kit doctor --model) runs on Keras' TensorFlow backend "
+    "only: it simulates replicas as TensorFlow logical devices and looks for the TensorFlow "
+    "causes of a difference (BatchNormalization without sync_batch_norm, per-replica "
+    "clipping or loss scaling). On JAX the kit trains one SPMD program over the devices, "
+    "where gradients, clipping and batch statistics are global by construction, so those "
+    "causes do not exist. Run the check with KERAS_BACKEND=tensorflow on the same model "
+    "code, or compare 1 device with 2 yourself on JAX (kmk.simulate_replicas(2), then "
+    "distributed(devices=['cpu:0']) against distributed())."
+)
+
+#: What `doctor` says the kit runs on here.
+SUMMARY = "keras.distribution.DataParallel over this process's devices (one SPMD program)"
+#: The framework this backend runs on, as `doctor` checks its version.
+FRAMEWORK = "jax"
+
+
+def framework_version() -> str:
+    """JAX's version (and jaxlib's)."""
+    import jax
+    import jaxlib
+
+    return f"{jax.__version__} (jaxlib {jaxlib.__version__})"
+
+
+def _cuda_build(gpus: Sequence[Any]) -> dict[str, Any]:
+    """Whether this JAX can use NVIDIA GPUs: its CUDA plugin, and the CUDA/cuDNN it loaded."""
+    import importlib.util
+
+    plugins = [
+        name
+        for name in ("jax_cuda13_plugin", "jax_cuda12_plugin")
+        if importlib.util.find_spec(name) is not None
+    ]
+    build: dict[str, Any] = {"is_cuda_build": bool(gpus or plugins), "plugins": plugins}
+    if gpus:  # XLA compiles for the GPU it runs on: its own capability is the kernels'
+        build["cuda_compute_capabilities"] = sorted(
+            {str(getattr(d, "compute_capability", "?")) for d in gpus}
+        )
+        try:
+            from jax._src.lib import cuda_versions
+
+            build["cuda_version"] = str(cuda_versions.cuda_runtime_get_version())
+            build["cudnn_version"] = str(cuda_versions.cudnn_get_version())
+        except Exception:  # noqa: BLE001 - a JAX without these helpers: versions unknown
+            pass
+    return build
+
+
+def _nvidia_signs() -> list[str]:
+    """Signs of NVIDIA GPUs found without JAX: `/dev/nvidia0`, `nvidia-smi on PATH`."""
+    import glob
+    import shutil
+
+    signs = sorted(glob.glob("/dev/nvidia[0-9]*"))
+    if shutil.which("nvidia-smi"):
+        signs.append("nvidia-smi on PATH")
+    return signs
+
+
+def device_report() -> dict[str, Any]:
+    """What `info` and `doctor` show of JAX's devices: GPUs, CPU devices, the CUDA plugin."""
+    gpus = _devices_or_none("gpu")
+    warnings = []
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", "x").split(",")[0].strip() in ("", "-1")
+    signs = _nvidia_signs()
+    if not gpus and signs and not hidden:
+        warnings.append(
+            f"keras-mirror-kit: this machine has NVIDIA GPUs ({', '.join(signs)}) but JAX "
+            "found none, so training runs on the CPU. Install JAX with its CUDA plugin "
+            '(pip install -U "jax[cuda12]") and check the NVIDIA driver with nvidia-smi'
+        )
+    return {
+        "framework": "JAX",
+        "physical_gpus": [_device_name(d) for d in gpus],
+        "physical_cpus": ["cpu"],  # one host CPU, however many XLA CPU devices it holds
+        "nccl_usable": False,
+        "all_reduce_note": "not the kit's choice on JAX: XLA runs the SPMD program's "
+        "collectives (NCCL between GPUs)",
+        "cuda_build": _cuda_build(gpus),
+        "gpu_details": [
+            {
+                "name": _device_name(d),
+                "device_name": str(d.device_kind),
+                "compute_capability": str(getattr(d, "compute_capability", "?")),
+                "kernels": "native (XLA compiles for the device)",
+            }
+            for d in gpus
+        ],
+        "warnings": warnings,
+    }
+
+
+def multi_worker_choice(workers: int) -> dict[str, Any]:
+    """`distributed()` refuses `TF_CONFIG` on JAX: the refusal, as `info` shows it."""
+    error = _refuse("Multi-worker training (TF_CONFIG)", f"TF_CONFIG with {workers} workers")
+    return {"strategy": "none", "workers": workers, "all_reduce": "-", "refused": str(error)}
+
+
+def logical_devices() -> list[str]:
+    """Every JAX device of this process (simulated CPU devices included)."""
+    return [_device_name(d) for p in ("cpu", "gpu", "tpu") for d in _devices_or_none(p)]
+
+
+def time_all_reduce(engine: Engine, floats: int, repeats: int) -> tuple[float, bool]:
+    """Seconds per SUM all-reduce of `floats` float32 values over the devices (after two
+    untimed): one value per device, summed into a replicated result by XLA's collectives."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    by_name = {_device_name(d): d for p in ("cpu", "gpu", "tpu") for d in _devices_or_none(p)}
+    devices = [by_name[name] for name in engine.devices]
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("batch",))
+    parts = np.repeat(np.arange(1, n + 1, dtype=np.float32), floats).reshape(n, floats)
+    values = jax.device_put(parts, NamedSharding(mesh, PartitionSpec("batch")))
+    summed = jax.jit(
+        lambda v: jnp.sum(v, axis=0), out_shardings=NamedSharding(mesh, PartitionSpec())
+    )
+    for _ in range(2):
+        summed(values).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = summed(values)
+    out.block_until_ready()
+    seconds = (time.perf_counter() - start) / repeats
+    return seconds, float(out[0]) == n * (n + 1) / 2
+
+
+def _devices_or_none(platform: str) -> list[Any]:
+    """JAX's devices of a platform; none where JAX has no such platform."""
+    import jax
+
+    try:
+        return list(jax.devices(platform))
+    except RuntimeError:
+        return []

@@ -11,6 +11,7 @@ workarounds of `keras_mirror_kit.workarounds`, and the replica-side preprocessin
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -238,3 +239,104 @@ def call(
 def block_contexts() -> list[AbstractContextManager[Any]]:
     """What a `with kmk.distributed(...)` block enters besides the strategy's scope."""
     return [tf_data_iterator_stall.per_device_autotune_disabled()]
+
+
+def count_training_flops(model: Any, input_specs: Any, label_spec: Any) -> Any:
+    """TensorFlow's FLOP statistics of the traced training graph (`throughput.flops_tf`)."""
+    from keras_mirror_kit.throughput import flops_tf
+
+    return flops_tf.count_training_flops(model, input_specs, label_spec)
+
+
+def gpu_identity(gpu_indices: Sequence[int]) -> tuple[str, bool, int]:
+    """The first replica GPU's name, whether float32 matmuls run as TF32 on it, and how many
+    physical GPUs the replicas' (logical) GPUs `gpu_indices` are on."""
+    physical = tf.config.get_visible_devices("GPU")
+    owner: list[int] = []  # logical GPU index -> physical GPU position
+    for position, device in enumerate(physical):
+        configs = tf.config.get_logical_device_configuration(device) or [None]
+        owner.extend([position] * len(configs))
+    used = sorted({owner[i] for i in gpu_indices if i < len(owner)}) or [0]
+    name = "unknown GPU"
+    tf32 = False
+    if physical:
+        details = tf.config.experimental.get_device_details(physical[used[0]])
+        name = str(details.get("device_name") or name)
+        capability = details.get("compute_capability") or (0, 0)
+        tf32 = (
+            tuple(capability) >= (8, 0)
+            and tf.config.experimental.tensor_float_32_execution_enabled()
+        )
+    return name, tf32, len(used)
+
+
+#: Why `check_replicas` (`doctor --model`) does not run on this backend; None: it does.
+REPLICA_CHECK_REFUSAL = None
+
+#: What `doctor` says the kit runs on here.
+SUMMARY = "tf.distribute (MirroredStrategy; MultiWorkerMirroredStrategy beyond one host)"
+#: The framework this backend runs on, as `doctor` checks its version.
+FRAMEWORK = "tensorflow"
+
+
+def framework_version() -> str:
+    """TensorFlow's version."""
+    return str(tf.__version__)
+
+
+def device_report() -> dict[str, Any]:
+    """What `info` and `doctor` show of TensorFlow's devices: GPUs, CPUs, CUDA build, NCCL."""
+    from keras_mirror_kit.devices import gpu_report, nccl_available, warn_if_gpus_unused
+
+    build, gpus, warnings = gpu_report()
+    unused = warn_if_gpus_unused()
+    return {
+        "framework": "TensorFlow",
+        "physical_gpus": [d.name for d in tf.config.list_physical_devices("GPU")],
+        "physical_cpus": [d.name for d in tf.config.list_physical_devices("CPU")],
+        "nccl_usable": nccl_available(),
+        "all_reduce_note": None,  # NCCL is the kit's choice here (cross_device_ops="auto")
+        "cuda_build": build,
+        "gpu_details": gpus,
+        "warnings": ([unused] if unused else []) + warnings,
+    }
+
+
+def multi_worker_choice(workers: int) -> dict[str, Any]:
+    """What `distributed()` chooses with `TF_CONFIG` of `workers` workers (not connecting)."""
+    return {
+        "strategy": "MultiWorkerMirroredStrategy",
+        "workers": workers,
+        "all_reduce": "collective (NCCL on GPUs, ring on CPUs)",
+    }
+
+
+def logical_devices() -> list[str]:
+    """TensorFlow's logical devices (a split GPU or CPU shows each part)."""
+    return [d.name for d in tf.config.list_logical_devices()]
+
+
+def time_all_reduce(engine: Engine, floats: int, repeats: int) -> tuple[float, bool]:
+    """Seconds per SUM all-reduce of `floats` float32 values over the replicas (after two
+    untimed), and whether the sum was right."""
+    strategy, n = engine.strategy, engine.num_replicas
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.fill([floats], float(ctx.replica_id_in_sync_group + 1))
+    )
+
+    @tf.function
+    def all_reduce(t: Any) -> Any:
+        return strategy.run(
+            lambda v: tf.distribute.get_replica_context().all_reduce("SUM", v), (t,)
+        )
+
+    def first(out: Any) -> float:
+        return float(strategy.experimental_local_results(out)[0][0].numpy())
+
+    for _ in range(2):
+        first(all_reduce(values))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = all_reduce(values)
+    correct = first(out) == n * (n + 1) / 2
+    return (time.perf_counter() - start) / repeats, correct

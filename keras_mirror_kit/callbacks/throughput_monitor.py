@@ -17,10 +17,7 @@ import keras
 from keras_mirror_kit.callbacks.keras_loop import steps_done
 from keras_mirror_kit.fit_wrapper import batch_plan
 from keras_mirror_kit.model_record import engine_of, is_chief
-from keras_mirror_kit.throughput.flops import (
-    count_training_flops,
-    model_compute_dtype,
-)
+from keras_mirror_kit.throughput.flops import count_training_flops, model_compute_dtype
 from keras_mirror_kit.throughput.meter import (
     BASELINE_MEANING,
     ThroughputMeter,

@@ -287,16 +287,29 @@ def _sha256_of(path: Path) -> str:
 
 
 def _member_header(archive: zipfile.ZipFile, name: str) -> tuple[tuple[int, ...], np.dtype]:
-    """The shape and dtype of one `.npy` member, from its header alone."""
+    """The shape and dtype of one `.npy` member, from its header alone.
+
+    A member whose dtype holds Python objects (a pickle) is refused here, so such a file is
+    reported as unreadable (and skipped for the previous checkpoint) before anything reads
+    it: the kit never unpickles a checkpoint.
+    """
+    header = None
     with archive.open(name) as member:
         version = np.lib.format.read_magic(member)
-        if version in ((1, 0), (2, 0)):
-            read = getattr(np.lib.format, f"read_array_header_{version[0]}_0")
-            shape, _, dtype = read(member)
-            return tuple(shape), np.dtype(dtype)
-    with archive.open(name) as member:  # another header version: read the array
-        array = np.lib.format.read_array(member, allow_pickle=False)
+        if version == (1, 0):
+            header = np.lib.format.read_array_header_1_0(member)
+        elif version == (2, 0):
+            header = np.lib.format.read_array_header_2_0(member)
+    if header is None:
+        with archive.open(name) as member:  # another header version: read the array
+            array = np.lib.format.read_array(member, allow_pickle=False)
         return tuple(array.shape), array.dtype
+    shape, _, dtype = header
+    if np.dtype(dtype).hasobject:
+        raise ValueError(
+            f"member {name} holds Python objects (a pickle), which the kit never loads"
+        )
+    return tuple(shape), np.dtype(dtype)
 
 
 def _read_meta(archive: zipfile.ZipFile) -> object:

@@ -1,19 +1,22 @@
 """`keras-mirror-kit doctor`: can this machine run the kit, and does it train right here?
 
-The checks, each `ok`, `warn`, `FAIL` or `skip`: Python, TensorFlow and Keras against the
-supported versions; whether `launch` can isolate its workers in a network namespace of
-their own (a namespace made and dropped, no TensorFlow); the Keras backend; GPUs (names,
-memory), the CUDA/cuDNN build and GPUs TensorFlow cannot use; NCCL and the all-reduce
-`distributed()` would pick; the environment variables that change what the kit does;
-known-bad combinations; and a self-test of about 20 s in a fresh process: one tiny model
-trained on 1 replica and on every replica (2 simulated ones when there are fewer than 2
-GPUs) must end with the same weights (within 1e-6), and an all-reduce bandwidth figure.
-Exit status 1 when a check failed.
+The checks, each `ok`, `warn`, `FAIL` or `skip`: Python, Keras and its backend's framework
+(TensorFlow, or JAX, where TensorFlow is optional) against the supported versions; whether
+`launch` can isolate its workers in a network namespace of their own (a namespace made and
+dropped, no TensorFlow); the Keras backend (TensorFlow or JAX; any other fails); the
+backend's GPUs (names, memory), its CUDA build and GPUs it cannot use; NCCL and the
+all-reduce `distributed()` would pick; the environment variables that change what the kit
+does; known-bad combinations; and a self-test of about 20 s in a fresh process on the same
+backend: one tiny model trained on 1 replica and on every replica (2 simulated ones when
+there are fewer than 2 GPUs) must end with the same weights (within 1e-6), and an
+all-reduce bandwidth figure (the backend's own: tf.distribute's, or XLA's collectives on
+JAX). Exit status 1 when a check failed.
 
 `doctor --model module:factory --data module:function` checks the user's own model
-instead (`kmk.check_replicas`): a few steps on 1 replica and on N from the same weights,
-the largest difference per variable and the known causes found; exit status 0 within the
-tolerance, 1 above it (or when a run fails), 2 for a usage error.
+instead (`kmk.check_replicas`, TensorFlow backend only: on JAX it refuses and says why): a
+few steps on 1 replica and on N from the same weights, the largest difference per variable
+and the known causes found; exit status 0 within the tolerance, 1 above it (or when a run
+fails), 2 for a usage error.
 """
 
 from __future__ import annotations
@@ -197,25 +200,12 @@ def diagnose(*, self_test: bool = True, timeout: float = 300.0) -> dict[str, Any
         f"{sys.version.split()[0]} (supported: {_range_text(SUPPORTED_PYTHON)})",
     )
     report["isolation"] = _check_isolation(check)
-    tf, keras = _import_frameworks(check)
-    if tf is None or keras is None:
+    keras, backend = _import_frameworks(check)
+    if keras is None:
         report.update(checks=checks, ok=False)
         return report
-    backend = keras.backend.backend()
-    if backend != "tensorflow":
-        check(
-            "backend",
-            "fail",
-            f"Keras runs on the {backend!r} backend; the kit needs TensorFlow. Set "
-            'KERAS_BACKEND=tensorflow (or "backend": "tensorflow" in ~/.keras/keras.json) '
-            "before Keras is imported.",
-        )
-    else:
-        check("backend", "ok", "tensorflow")
     _check_workaround_range(keras.__version__, check)
-    info = None
-    if backend == "tensorflow":
-        info = _collect_info(check)
+    info = _collect_info(check) if backend is not None else None
     report["info"] = info
     if info is not None:
         _check_devices(info, check)
@@ -276,33 +266,69 @@ def _check_isolation(check: Any) -> dict[str, Any]:
 
 
 def _import_frameworks(check: Any) -> tuple[Any, Any]:
-    """Imports TensorFlow and Keras, checking their versions; None for one that fails."""
+    """Imports Keras and its backend's framework, checking versions and the backend.
+
+    `(keras, backend module)`: Keras None when it cannot be imported, the backend None when
+    the kit does not run on it or its framework fails to import.
+    """
+    from keras_mirror_kit import backends
     from keras_mirror_kit.workarounds import parse_version
 
     try:
-        import tensorflow as tf
-    except Exception as err:  # ImportError, or a broken CUDA install raising at import
-        check("tensorflow", "fail", f"cannot import TensorFlow: {type(err).__name__}: {err}")
-        tf = None
-    else:
-        ok = _in_range(parse_version(tf.__version__), SUPPORTED_TENSORFLOW)
-        check(
-            "tensorflow",
-            "ok" if ok else "fail",
-            f"{tf.__version__} (supported: {_range_text(SUPPORTED_TENSORFLOW)})",
-        )
-    try:
         import keras
-    except Exception as err:
+    except Exception as err:  # ImportError, or a broken CUDA install raising at import
+        _check_tensorflow(check, required=True)
         check("keras", "fail", f"cannot import Keras: {type(err).__name__}: {err}")
-        return tf, None
+        return None, None
+    name = backends.name()
+    # Another supported backend uses TensorFlow for tf.data only; elsewhere it is required.
+    _check_tensorflow(check, required=name == "tensorflow" or name not in backends.SUPPORTED)
     ok = _in_range(parse_version(keras.__version__), SUPPORTED_KERAS)
     check(
         "keras",
         "ok" if ok else "fail",
         f"{keras.__version__} (supported: {_range_text(SUPPORTED_KERAS)})",
     )
-    return tf, keras
+    try:
+        backend = backends.current()
+    except RuntimeError as err:
+        check("backend", "fail", str(err).split(" Received:")[0])
+        return keras, None
+    try:
+        version = backend.framework_version()
+    except Exception as err:
+        check(backend.FRAMEWORK, "fail", f"cannot import it: {type(err).__name__}: {err}")
+        return keras, None
+    if backend.FRAMEWORK != "tensorflow":
+        check(backend.FRAMEWORK, "ok", version)
+    check("backend", "ok", f"{name}: {backend.SUMMARY}")
+    return keras, backend
+
+
+def _check_tensorflow(check: Any, *, required: bool) -> None:
+    """TensorFlow's version; on another backend it is optional (the tf.data pipeline)."""
+    from keras_mirror_kit.workarounds import parse_version
+
+    try:
+        import tensorflow as tf
+    except Exception as err:  # ImportError, or a broken CUDA install raising at import
+        if required:
+            check("tensorflow", "fail", f"cannot import TensorFlow: {type(err).__name__}: {err}")
+        else:
+            check(
+                "tensorflow",
+                "ok",
+                "not installed: not needed on this backend, except by what uses tf.data "
+                "(kmk.make_dataset); feed NumPy arrays or a generator instead",
+            )
+        return
+    ok = _in_range(parse_version(tf.__version__), SUPPORTED_TENSORFLOW)
+    use = "" if required else "; on this backend only for tf.data (kmk.make_dataset)"
+    check(
+        "tensorflow",
+        "ok" if ok else ("fail" if required else "warn"),
+        f"{tf.__version__} (supported: {_range_text(SUPPORTED_TENSORFLOW)}){use}",
+    )
 
 
 def _check_workaround_range(keras_version: str, check: Any) -> None:
@@ -372,28 +398,33 @@ def _check_devices(info: dict[str, Any], check: Any) -> None:
     for warning in info["warnings"]:
         # A GPU TensorFlow cannot use trains on the CPU in silence: a failure.
         check("gpus", "fail" if "training runs on the CPU" in warning else "warn", warning)
-    build = info["cuda_build"]
+    build, framework = info["cuda_build"], info["framework"]
     if build.get("is_cuda_build"):
         check(
             "cuda",
             "ok",
-            f"TensorFlow built with CUDA {build.get('cuda_version', '?')}, cuDNN "
+            f"{framework} built with CUDA {build.get('cuda_version', '?')}, cuDNN "
             f"{build.get('cudnn_version', '?')}, kernels for "
             f"{', '.join(build.get('cuda_compute_capabilities') or []) or '?'}",
         )
     else:
-        check("cuda", "ok" if not gpus else "fail", "not a CUDA build of TensorFlow")
+        check("cuda", "ok" if not gpus else "fail", f"not a CUDA build of {framework}")
     chosen = info["would_choose"]
-    if "replicas" in chosen:
+    if "refused" in chosen:
+        check("distributed()", "fail", chosen["refused"])
+    elif "replicas" in chosen:
         detail = (
             f"{chosen['strategy']} on {chosen['replicas']} replica(s) "
             f"({', '.join(chosen['devices'])}), all-reduce {chosen['all_reduce']}"
         )
     else:
         detail = f"{chosen['strategy']}, {chosen['workers']} workers, {chosen['all_reduce']}"
-    check("distributed()", "ok", detail)
+    if "refused" not in chosen:
+        check("distributed()", "ok", detail)
     physical = len(info["physical_gpus"])
-    if physical >= 2 and not info["nccl_usable"]:
+    if info["all_reduce_note"]:
+        check("nccl", "ok", info["all_reduce_note"])
+    elif physical >= 2 and not info["nccl_usable"]:
         check("nccl", "warn", f"{physical} GPUs but NCCL is not usable: all-reduce is slower")
     else:
         check("nccl", "ok", "usable" if info["nccl_usable"] else "not needed (fewer than 2 GPUs)")
@@ -418,7 +449,8 @@ def _check_combinations(env: dict[str, str], info: dict[str, Any] | None, check:
             "combinations",
             "warn",
             f"KMK_SIMULATE_REPLICAS={env['KMK_SIMULATE_REPLICAS']} on a host with {gpus} "
-            "GPUs: the first GPU is split and the others are hidden (meant for tests).",
+            "GPUs: distributed() trains on simulated devices instead (TensorFlow: the first "
+            "GPU split, the others hidden; JAX: CPU devices), which is meant for tests.",
         )
     for name in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"):
         if env.get(name) == "1":
@@ -445,12 +477,11 @@ def _self_test(gpus: int, timeout: float, check: Any) -> dict[str, Any] | None:
     """Runs the self-test in a fresh process (the replica layout is fixed at TF start)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG",)}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if gpus >= 2:
-        env.pop("KMK_SIMULATE_REPLICAS", None)
-        layout = f"{gpus} GPUs"
-    else:
+    simulated = gpus < 2
+    if simulated:
         env["KMK_SIMULATE_REPLICAS"] = "2"
-        layout = "2 replicas simulated on " + ("the GPU" if gpus else "the CPU")
+    else:
+        env.pop("KMK_SIMULATE_REPLICAS", None)
     start = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -471,6 +502,12 @@ def _self_test(gpus: int, timeout: float, check: Any) -> dict[str, Any] | None:
         check("self-test", "fail", f"exit {proc.returncode}: " + " | ".join(tail))
         return None
     result = json.loads(lines[-1][len(_RESULT) :])
+    on_gpu = any("gpu" in device.lower() for device in result["devices"])
+    layout = (
+        f"{result['replicas']} replicas simulated on the {'GPU' if on_gpu else 'CPU'}"
+        if simulated
+        else f"{result['replicas']} GPUs"
+    )
     result.update(layout=layout, seconds=round(seconds, 1))
     agree = result["max_abs_diff"] <= SELF_TEST_ATOL and result["finite"]
     check(
@@ -496,9 +533,9 @@ def _self_test_worker() -> dict[str, Any]:
     """The self-test's own process: 1 vs all replicas, then the all-reduce figure."""
     import keras
     import numpy as np
-    import tensorflow as tf
 
     import keras_mirror_kit as kmk
+    from keras_mirror_kit import backends
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(512, 8)).astype("float32")
@@ -526,8 +563,8 @@ def _self_test_worker() -> dict[str, Any]:
         if initial is None:
             initial = model.get_weights()
         model.set_weights(initial)
-        dataset = kmk.make_dataset(x, y, global_batch, shuffle=False)
-        model.fit(dataset, epochs=epochs, verbose=0)
+        # NumPy arrays, in order: runs on every backend (no tf.data on a JAX-only machine).
+        model.fit(x, y, batch_size=global_batch, epochs=epochs, shuffle=False, verbose=0)
         return model.get_weights(), build.distribution
 
     every, dist = train(None)
@@ -535,31 +572,11 @@ def _self_test_worker() -> dict[str, Any]:
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one, every))
     finite = all(bool(np.all(np.isfinite(w))) for w in every + one)
 
-    strategy, n = dist.strategy, dist.num_replicas
-    size = ALL_REDUCE_MIB * 2**20 // 4
-    values = strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.fill([size], float(ctx.replica_id_in_sync_group + 1))
-    )
-
-    @tf.function
-    def all_reduce(t: Any) -> Any:
-        return strategy.run(
-            lambda v: tf.distribute.get_replica_context().all_reduce("SUM", v), (t,)
-        )
-
-    def first(out: Any) -> float:
-        return float(strategy.experimental_local_results(out)[0][0].numpy())
-
-    for _ in range(2):
-        first(all_reduce(values))
-    repeats = 10
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = all_reduce(values)
-    correct = first(out) == n * (n + 1) / 2
-    seconds = (time.perf_counter() - start) / repeats
-    algbw = size * 4 / seconds / 1e9
+    n, floats = dist.num_replicas, ALL_REDUCE_MIB * 2**20 // 4
+    seconds, correct = backends.current().time_all_reduce(dist.engine, floats, repeats=10)
+    algbw = floats * 4 / seconds / 1e9
     return {
+        "backend": dist.backend,
         "replicas": n,
         "devices": list(dist.devices),
         "cross_device_ops": dist.cross_device_ops,

@@ -40,46 +40,42 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _installed_version(distribution: str) -> str | None:
+    """An installed package's version, read without importing it (None: not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def collect(
     per_replica_batch_size: int | None = None, gradient_accumulation_steps: int = 1
 ) -> dict[str, Any]:
+    """What `info` shows: versions, the backend's devices, what `distributed()` would choose."""
     import keras
-    import tensorflow as tf
 
-    from keras_mirror_kit import __version__
-    from keras_mirror_kit.devices import (
-        configure_from_environment,
-        gpu_report,
-        nccl_available,
-        warn_if_gpus_unused,
-    )
+    from keras_mirror_kit import __version__, backends
     from keras_mirror_kit.multi_worker.cluster import parse_tf_config, tf_config_num_workers
 
-    configure_from_environment()
+    backend = backends.current()  # a RuntimeError names the backends the kit supports
+    backends.configure_from_environment()
     tf_config = parse_tf_config()  # validated: a bad TF_CONFIG is a clear error here too
-    build, gpus, warnings = gpu_report()
-    unused = warn_if_gpus_unused()
     info: dict[str, Any] = {
         "keras_mirror_kit": __version__,
-        "tensorflow": tf.__version__,
+        "tensorflow": _installed_version("tensorflow"),
+        "jax": _installed_version("jax"),
         "keras": keras.__version__,
-        "keras_backend": keras.backend.backend(),
-        "physical_gpus": [d.name for d in tf.config.list_physical_devices("GPU")],
-        "physical_cpus": [d.name for d in tf.config.list_physical_devices("CPU")],
-        "nccl_usable": nccl_available(),
-        "cuda_build": build,
-        "gpu_details": gpus,
-        "warnings": ([unused] if unused else []) + warnings,
+        "keras_backend": backend.NAME,
+        "framework_version": backend.framework_version(),
+        **backend.device_report(),
         "tf_config": json.loads(os.environ["TF_CONFIG"]) if tf_config is not None else None,
     }
     workers = tf_config_num_workers()
     if workers > 1:
-        info["logical_devices"] = [d.name for d in tf.config.list_logical_devices()]
-        info["would_choose"] = {
-            "strategy": "MultiWorkerMirroredStrategy",
-            "workers": workers,
-            "all_reduce": "collective (NCCL on GPUs, ring on CPUs)",
-        }
+        info["logical_devices"] = backend.logical_devices()
+        info["would_choose"] = backend.multi_worker_choice(workers)
         return info
     import keras_mirror_kit as kmk
 
@@ -87,7 +83,7 @@ def collect(
         per_replica_batch_size=per_replica_batch_size or 1,
         gradient_accumulation_steps=gradient_accumulation_steps,
     ).distribution
-    info["logical_devices"] = [d.name for d in tf.config.list_logical_devices()]
+    info["logical_devices"] = backend.logical_devices()
     info["would_choose"] = {
         "strategy": dist.strategy_name,
         "devices": list(dist.devices),
@@ -105,17 +101,20 @@ def collect(
 
 
 def print_table(info: dict[str, Any]) -> None:
+    """Prints `collect()`'s fields as the `info` table."""
     chosen = info["would_choose"]
     lines = [
         f"keras-mirror-kit {info['keras_mirror_kit']}",
-        f"TensorFlow       {info['tensorflow']}",
-        f"Keras            {info['keras']} (backend: {info['keras_backend']})",
+        f"TensorFlow       {info['tensorflow'] or 'not installed'}",
+        f"JAX              {info['jax'] or 'not installed'}",
+        f"Keras            {info['keras']} (backend: {info['keras_backend']}, "
+        f"{info['framework']} {info['framework_version']})",
         f"GPUs             {len(info['physical_gpus'])}: "
         f"{', '.join(info['physical_gpus']) or '-'}",
         f"CPUs             {len(info['physical_cpus'])}: {', '.join(info['physical_cpus'])}",
         f"Logical devices  {', '.join(info['logical_devices'])}",
-        f"NCCL usable      {'yes' if info['nccl_usable'] else 'no'}",
-        f"CUDA build       {_build_line(info['cuda_build'])}",
+        f"NCCL usable      {info['all_reduce_note'] or ('yes' if info['nccl_usable'] else 'no')}",
+        f"CUDA build       {_build_line(info['cuda_build'], info['framework'])}",
         *(
             f"  {gpu['name']}: {gpu['device_name']}, compute capability "
             f"{gpu['compute_capability']} (kernels: {gpu['kernels']})"
@@ -126,7 +125,8 @@ def print_table(info: dict[str, Any]) -> None:
         + (f" on {', '.join(chosen['devices'])}" if "devices" in chosen else "")
         + (f", {chosen['replicas']} replica(s)" if "replicas" in chosen else "")
         + (f", {chosen['workers']} workers" if "workers" in chosen else "")
-        + f", all-reduce {chosen['all_reduce']}",
+        + f", all-reduce {chosen['all_reduce']}"
+        + (f": {chosen['refused']}" if "refused" in chosen else ""),
         *(
             [
                 f"Batch            global {chosen['global_batch_size']} = "
@@ -143,9 +143,9 @@ def print_table(info: dict[str, Any]) -> None:
     sys.stdout.write("\n".join(lines) + "\n")
 
 
-def _build_line(build: dict[str, Any]) -> str:
+def _build_line(build: dict[str, Any], framework: str) -> str:
     if not build.get("is_cuda_build"):
-        return "no (this TensorFlow cannot use NVIDIA GPUs)"
+        return f"no (this {framework} cannot use NVIDIA GPUs)"
     kernels = ", ".join(build.get("cuda_compute_capabilities") or []) or "?"
     return (
         f"CUDA {build.get('cuda_version', '?')}, cuDNN {build.get('cudnn_version', '?')}, "

@@ -84,7 +84,15 @@ def _filtered_stderr() -> Iterator[None]:
 
 
 def start_tensorflow() -> Any:
-    """Imports TensorFlow and lists its devices with the start-up lines filtered; the module."""
+    """Imports TensorFlow and lists its devices with the start-up lines filtered; the module.
+
+    None, and nothing imported, where TensorFlow is not installed (a machine with JAX alone,
+    where `info` and `doctor` still run on Keras' JAX backend).
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("tensorflow") is None:
+        return None
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     with _filtered_stderr():
         import tensorflow as tf

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from keras_mirror_kit.data.augment import check_deterministic, describe, fold_key, takes_seed
 from keras_mirror_kit.data.cursor import DatasetCursor
 from keras_mirror_kit.data.info import DatasetInfo, record_dataset
 from keras_mirror_kit.data.preprocess import (
@@ -31,9 +32,12 @@ from keras_mirror_kit.data.preprocess import (
     ReplicaVariant,
     runs_on_replicas_by_default,
 )
-from keras_mirror_kit.validation import non_negative_int, positive_int
+from keras_mirror_kit.data.samples import BATCH_DOMAIN, apply_keyed
+from keras_mirror_kit.data.sharding import record_part, worker_slice
+from keras_mirror_kit.data.sources import indexed_dataset, to_tensors
+from keras_mirror_kit.validation import check_bool, non_negative_int, positive_int
 
-__all__ = ["make_dataset"]
+__all__ = ["build_dataset", "finish_dataset", "make_dataset", "resolve_seed"]
 
 
 def _multi_worker_expected() -> bool:
@@ -58,22 +62,43 @@ def make_dataset(
     drop_remainder: bool | None = None,
     num_replicas: int | None = None,
     prefetch: bool = True,
+    load: Callable[..., Any] | None = None,
+    strict: bool = False,
 ) -> tf.data.Dataset:
     """Builds a memory-frugal, resumable `tf.data.Dataset` of batches for `model.fit`.
 
     Hand the result to `model.fit` as it is: Keras distributes it over the replicas (do not
     call `experimental_distribute_dataset` yourself; that copies the data again).
 
+    Two forms. **Arrays**: `x` holds the samples themselves (NumPy arrays, a tuple or dict of
+    them, a pandas `DataFrame` or a dict of columns); each batch is gathered from them.
+    **Items and `load`**: `x` lists one item per sample (file paths, ids, a tuple or dict of
+    such columns) and `load(item)` returns the sample's features, traced by tf.data and run
+    sample by sample in a parallel, deterministic map (`.npy` files, images, audio, a
+    decoder of your own); only the items stay in memory.
+
     Args:
-        x: Features: a NumPy array (or a tuple/dict of arrays with the same first dim).
-        y: Labels with the same first dimension, or None.
+        x: Features: a NumPy array, a tuple/dict of arrays with the same first dimension, a
+            pandas `DataFrame` or a dict of columns (one feature per column; strings become
+            `tf.string`); with `load`, the items `load` reads (for example a list of paths).
+        y: Labels with the same first dimension (an array, a list, a pandas `Series`), or
+            None.
         batch_size: The GLOBAL batch size (e.g. `dist.global_batch_size`).
         shuffle: Shuffle the order every epoch (a permutation keyed on seed and epoch).
         seed: Shuffle seed; with a seed, the order of every epoch is reproducible. A random
             one is drawn when None (single host only: a multi-worker run needs the same
-            seed on every worker); `SyncedCheckpoint` saves it, so a resume reuses it.
-        preprocess: Function applied to each batch of `x` after batching (for example
-            `kmk.rescale()` to cast uint8 images to float in [0, 1]).
+            seed on every worker); `SyncedCheckpoint` saves it, so a resume reuses it. It
+            also keys the random draws of `preprocess` and `load` (see below).
+        preprocess: Function applied to each batch of features after batching (for example
+            `kmk.rescale()` to cast uint8 images to float in [0, 1], or Keras' random
+            preprocessing layers). Its random draws are keyed on (seed, epoch, batch): Keras
+            layers and `keras.random` with a `SeedGenerator` draw stateless seeds from that
+            key, and a function with a `seed` parameter without a default receives it (an
+            int64 tensor of shape [2], for `tf.random.stateless_*` and
+            `tf.image.stateless_random_*`). Two runs then augment identically, and a
+            resumed run as the uninterrupted one.
+            Stateful random ops (`tf.random.uniform`, `tf.image.random_*`) are named in a
+            WARNING (or refused with `strict=True`).
         preprocess_on: Where `preprocess` runs for a model built by the kit (a
             `@kmk.distributed` factory or a `with kmk.distributed(...)` block): `"replica"`
             (its `fit`, `evaluate` and `predict` receive the stored dtype, and each replica
@@ -93,6 +118,15 @@ def make_dataset(
             over the model's replicas (that step would weigh its samples unequally).
         num_replicas: Deprecated, without effect (a `DeprecationWarning` when given).
         prefetch: Add a `prefetch(tf.data.AUTOTUNE)` at the end.
+        load: A function of one item of `x` returning that sample's features (tensors of
+            the same shape for every sample), or None for the arrays form. Its random draws
+            are keyed on (seed, epoch, sample) as `preprocess`'s are, and it may take a
+            `seed` parameter too. The epoch's order is
+            `tf.random.experimental.index_shuffle` of the positions, so an iteration resumed
+            at batch k computes its samples directly: nothing before it is loaded. In a
+            multi-worker run each worker loads only its own part of every global batch.
+        strict: Refuse (`ValueError`) a `preprocess` or `load` whose random draws the kit
+            cannot key, instead of a WARNING.
 
     Returns:
         A `tf.data.Dataset` of `(x_batch, y_batch)` (or `x_batch`) with known cardinality,
@@ -102,10 +136,12 @@ def make_dataset(
         `preprocess_placement`). Iterated, it always yields the preprocessed batches.
 
     Raises:
-        TypeError: On a missing or non-integer batch size or a non-callable `preprocess`.
+        TypeError: On a missing or non-integer batch size, a non-callable `preprocess` or
+            `load`, or a table column of Python objects that are not strings.
         ValueError: On an empty dataset, arrays of different lengths, a non-positive batch
             size, a batch larger than the data when dropping the remainder, an unknown
-            `preprocess_on`, or `preprocess_on="replica"` without a `preprocess`.
+            `preprocess_on`, `preprocess_on="replica"` without a `preprocess` (or with one
+            that takes a `seed`), or, with `strict=True`, random draws the kit cannot key.
 
     Example:
 
@@ -114,18 +150,53 @@ def make_dataset(
     train_ds = kmk.make_dataset(x_train, y_train, dist.global_batch_size, seed=0,
                                 preprocess=kmk.rescale())
     model.fit(train_ds, epochs=10)
+
+    # Files: one path per sample, decoded by `load`.
+    def load(path):
+        return tf.image.resize(tf.io.decode_jpeg(tf.io.read_file(path), channels=3), (64, 64))
+
+    files_ds = kmk.make_dataset(paths, labels, dist.global_batch_size, seed=0, load=load)
     ```
     """
+    return build_dataset(
+        x,
+        y,
+        batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        preprocess=preprocess,
+        preprocess_on=preprocess_on,
+        drop_remainder=drop_remainder,
+        num_replicas=num_replicas,
+        prefetch=prefetch,
+        load=load,
+        strict=strict,
+    )
+
+
+def build_dataset(
+    x: Any,
+    y: Any,
+    batch_size: int | None,
+    *,
+    shuffle: bool = True,
+    seed: int | None = None,
+    preprocess: Callable[[Any], Any] | None = None,
+    preprocess_on: str = "auto",
+    drop_remainder: bool | None = None,
+    num_replicas: int | None = None,
+    prefetch: bool = True,
+    load: Callable[..., Any] | None = None,
+    strict: bool = False,
+    label_map: Callable[[Any], Any] | None = None,
+) -> tf.data.Dataset:
+    """`make_dataset`, plus `label_map` (applied to each batch of labels of a `load` source)."""
     batch_size = _check_batch_size(batch_size)
     placement = _placement(preprocess, preprocess_on)
-    if seed is not None:
-        seed = non_negative_int("seed", seed)
-    elif shuffle and _multi_worker_expected():
-        raise ValueError(
-            "make_dataset() needs a `seed` in a multi-worker run: every worker must shuffle "
-            "in the same order before the data is sharded, or the workers' slices of a "
-            "global batch overlap. Pass the same seed on every worker. Received: seed=None"
-        )
+    if load is not None and not callable(load):
+        raise TypeError(f"`load` must be callable. Received: load={load!r}")
+    strict = check_bool("strict", strict)
+    seed, seed_given = resolve_seed(seed, shuffle, "make_dataset")
     if num_replicas is not None:
         positive_int("num_replicas", num_replicas)
         warnings.warn(
@@ -133,49 +204,107 @@ def make_dataset(
             "prediction take a last batch of any size, and fit() refuses a training dataset "
             "whose last batch does not split evenly over the model's replicas.",
             DeprecationWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     drop = shuffle if drop_remainder is None else bool(drop_remainder)
-    arrays = (x,) if y is None else (x, y)
-    n = _num_samples(arrays)
+    features = to_tensors(x, "x")
+    labels = None if y is None else to_tensors(y, "y")
+    tensors = (features,) if labels is None else (features, labels)
+    n = _num_samples(tensors)
     num_batches = _num_batches(n, batch_size, drop)
-    seed_given = seed is not None
-    if seed is None:
-        seed = int(np.random.default_rng().integers(0, 2**31 - 1))
-
-    with tf.device("/cpu:0"):
-        tensors = tf.nest.map_structure(tf.convert_to_tensor, arrays)
     cursor = DatasetCursor(num_batches, seed=seed, seed_given=seed_given, num_samples=n)
-    indices = _batch_indices(cursor, n, batch_size, num_batches, shuffle)
     info = DatasetInfo(
         cursor,
         batch_size,
         epoch_samples=n if not drop else num_batches * batch_size,
         preprocess_on=placement,
     )
+    if load is not None:
+        part = worker_slice()
+        record_part(cursor, part)
+
+        def batches(apply: Callable[[Any], Any] | None, check: bool) -> tf.data.Dataset:
+            return indexed_dataset(
+                cursor,
+                features,
+                labels,
+                n=n,
+                batch_size=batch_size,
+                num_batches=num_batches,
+                drop=drop,
+                shuffle=shuffle,
+                load=load,
+                preprocess=apply,
+                part=part,
+                strict=strict if check else None,
+                label_map=label_map,
+            )
+    else:
+        indices = _batch_indices(cursor, n, batch_size, num_batches, shuffle)
+
+        def batches(apply: Callable[[Any], Any] | None, check: bool) -> tf.data.Dataset:
+            graphs: list[tf.Graph] = []
+
+            def gather(index: tf.Tensor, key: tf.Tensor) -> Any:
+                picked = tf.nest.map_structure(lambda t: tf.gather(t, index), tensors)
+                if apply is None:
+                    return picked[0] if y is None else picked
+                graphs.append(tf.compat.v1.get_default_graph())
+                batch = apply_keyed(apply, picked[0], key)
+                return batch if y is None else (batch, picked[1])
+
+            dataset = indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            if check:
+                for graph in graphs:
+                    check_deterministic(graph, f"preprocess={describe(apply)}", strict)
+            return dataset
+
+    return finish_dataset(batches, info, preprocess, preprocess_on, y is not None, prefetch)
+
+
+def resolve_seed(seed: Any, shuffle: bool, who: str) -> tuple[int, bool]:
+    """`(seed, seed_given)`: the seed checked, or one drawn at random (not multi-worker)."""
+    if seed is not None:
+        return non_negative_int("seed", seed), True
+    if shuffle and _multi_worker_expected():
+        raise ValueError(
+            f"{who}() needs a `seed` in a multi-worker run: every worker must shuffle "
+            "in the same order before the data is sharded, or the workers' slices of a "
+            "global batch overlap. Pass the same seed on every worker. Received: seed=None"
+        )
+    return int(np.random.default_rng().integers(0, 2**31 - 1)), False
+
+
+def finish_dataset(
+    batches: Callable[[Callable[[Any], Any] | None, bool], tf.data.Dataset],
+    info: DatasetInfo,
+    preprocess: Callable[[Any], Any] | None,
+    preprocess_on: str,
+    has_y: bool,
+    prefetch: bool,
+) -> tf.data.Dataset:
+    """The kit dataset from `batches(apply, check)`: prefetch, options, its `DatasetInfo`,
+    and the stored-dtype twin when `preprocess` runs on the replicas."""
 
     def build(apply: Callable[[Any], Any] | None, dataset_info: DatasetInfo) -> tf.data.Dataset:
-        def gather(index: tf.Tensor) -> Any:
-            picked = tf.nest.map_structure(lambda t: tf.gather(t, index), tensors)
-            features = picked[0] if apply is None else apply(picked[0])
-            return features if y is None else (features, picked[1])
-
-        dataset = indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        dataset = batches(apply, dataset_info.variant is None or apply is not None)
         if prefetch:
             dataset = dataset.prefetch(tf.data.AUTOTUNE)
         dataset = _with_kit_options(dataset)
         record_dataset(dataset, dataset_info)
         return dataset
 
-    if placement != "replica":
+    if info.preprocess_on != "replica":
         return build(preprocess, info)
     assert preprocess is not None
+    stored_batches = batches(None, False).element_spec
     stored = tf.nest.map_structure(
-        lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), tensors[0]
+        lambda spec: tf.TensorSpec([None, *spec.shape[1:]], spec.dtype),
+        stored_batches[0] if has_y else stored_batches,
     )
     variant = ReplicaVariant(
         preprocess,
-        y is not None,
+        has_y,
         stored,
         lambda twin: build(None, dataclasses.replace(info, variant=twin)),
         requested=preprocess_on == "replica",
@@ -210,6 +339,13 @@ def _placement(preprocess: Any, preprocess_on: str) -> str | None:
                 "preprocess_on='replica'"
             )
         return None
+    if preprocess_on == "replica" and takes_seed(preprocess):
+        raise ValueError(
+            "A `preprocess` with a `seed` parameter runs in the input pipeline, where the kit "
+            "gives it each batch's seed; on the replicas it would get none. Use "
+            "preprocess_on='host' (or 'auto'), or drop the `seed` parameter. "
+            f"Received: preprocess={preprocess!r}, preprocess_on='replica'"
+        )
     if preprocess_on == "replica" or (
         preprocess_on == "auto" and runs_on_replicas_by_default(preprocess)
     ):
@@ -243,7 +379,8 @@ def _num_batches(n: int, batch_size: int, drop: bool) -> int:
 def _batch_indices(
     cursor: DatasetCursor, n: int, batch_size: int, num_batches: int, shuffle: bool
 ) -> tf.data.Dataset:
-    """One epoch of index batches, from the cursor's (epoch, skip, seed) at its first batch."""
+    """One epoch of index batches (and each batch's random key), from the cursor's (epoch,
+    skip, seed) at its first batch."""
 
     def next_batch(state: Any, step: tf.Tensor) -> Any:
         # The state lives per iterator: on its first batch, read the cursor and compute
@@ -255,15 +392,17 @@ def _batch_indices(
                 order = tf.random.experimental.stateless_shuffle(
                     order, seed=tf.stack([seed_now, epoch])
                 )
-            return epoch, skip, order
+            return epoch, skip, seed_now, order
 
-        epoch, skip, order = tf.cond(state[0] < 0, fresh, lambda: state)
+        epoch, skip, seed_now, order = tf.cond(state[0] < 0, fresh, lambda: state)
         position = (step + skip) % num_batches
         start = position * batch_size
         index = order[start : tf.minimum(start + batch_size, n)]
-        return (epoch, skip, order), index
+        key = fold_key(tf.stack([seed_now, epoch]), BATCH_DOMAIN, position)
+        return (epoch, skip, seed_now, order), (index, key)
 
-    initial = (tf.constant(-1, tf.int64), tf.constant(0, tf.int64), tf.zeros([n], tf.int64))
+    minus_one, zero = tf.constant(-1, tf.int64), tf.constant(0, tf.int64)
+    initial = (minus_one, zero, zero, tf.zeros([n], tf.int64))
     return tf.data.Dataset.range(num_batches).scan(initial, next_batch)
 
 

@@ -1,8 +1,9 @@
 """Beyond one host: the multi-worker strategy and the local launcher, together.
 
-* `cluster` (core layer, imports TensorFlow): reads `TF_CONFIG` or Slurm's variables,
-  builds `MultiWorkerMirroredStrategy` for `kmk.distributed()`, and installs the Keras
-  `model.fit` workaround it needs (`keras_mirror_kit.workarounds.keras_multi_worker_fit`).
+* `cluster` (core layer; imports TensorFlow where it makes a strategy): reads `TF_CONFIG` or
+  Slurm's variables, builds `MultiWorkerMirroredStrategy` for `kmk.distributed()`, and
+  installs the Keras `model.fit` workaround it needs
+  (`keras_mirror_kit.workarounds.keras_multi_worker_fit`).
 * `launch` (command line, never imports TensorFlow): `keras-mirror-kit launch -n N`, which
   starts N local workers with their `TF_CONFIG`, relays their output, restarts them
   (`--max-restarts`) and reaps them.

@@ -34,14 +34,15 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import tensorflow as tf
+from typing import TYPE_CHECKING, Any
 
 from keras_mirror_kit.multi_worker import READY_FILE_ENV
 from keras_mirror_kit.multi_worker.exposure import warn_exposed_servers
 from keras_mirror_kit.multi_worker.gpus import GPU_ENV, visible_gpus
 from keras_mirror_kit.validation import non_negative_number
+
+if TYPE_CHECKING:  # imported where a strategy is made: parsing TF_CONFIG needs no TensorFlow
+    import tensorflow as tf
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_ENV",
@@ -315,10 +316,10 @@ def slurm_cluster_resolver(environ: Mapping[str, str] | None = None) -> Any:
             port_base=port_base, gpus_per_node=gpus, gpus_per_task=gpus // max_tasks
         )
     # Slurm's allocation for this task, left as it is (none: -1, or no GPU on the node).
-    return _SlurmTaskResolver(gpus if allocated else 0, max_tasks, port_base)
+    return _slurm_task_resolver(gpus if allocated else 0, max_tasks, port_base)
 
 
-class _SlurmTaskResolver(tf.distribute.cluster_resolver.SlurmClusterResolver):
+def _slurm_task_resolver(gpus: int, max_tasks_per_node: int, port_base: int) -> Any:
     """`SlurmClusterResolver` with this task's GPUs as given (none included).
 
     TensorFlow's resolver places tasks by stepping through the node's GPUs by
@@ -326,22 +327,26 @@ class _SlurmTaskResolver(tf.distribute.cluster_resolver.SlurmClusterResolver):
     without a GPU; here every task counts one GPU for that placement and reports its own
     number of GPUs to the strategy. `CUDA_VISIBLE_DEVICES` is not changed.
     """
+    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm
 
-    def __init__(self, gpus: int, max_tasks_per_node: int, port_base: int) -> None:
-        placed = max(gpus, 1)
-        super().__init__(
-            port_base=port_base,
-            gpus_per_node=placed * max_tasks_per_node,
-            gpus_per_task=placed,
-            auto_set_gpu=False,
-        )
-        self._task_gpus = gpus
+    class SlurmTaskResolver(slurm.SlurmClusterResolver):
+        def __init__(self) -> None:
+            placed = max(gpus, 1)
+            super().__init__(
+                port_base=port_base,
+                gpus_per_node=placed * max_tasks_per_node,
+                gpus_per_task=placed,
+                auto_set_gpu=False,
+            )
+            self._task_gpus = gpus
 
-    def num_accelerators(
-        self, task_type: Any = None, task_id: Any = None, config_proto: Any = None
-    ) -> dict[str, int]:
-        """This task's GPUs, as Slurm allocated them."""
-        return {"GPU": self._task_gpus}
+        def num_accelerators(
+            self, task_type: Any = None, task_id: Any = None, config_proto: Any = None
+        ) -> dict[str, int]:
+            """This task's GPUs, as Slurm allocated them."""
+            return {"GPU": self._task_gpus}
+
+    return SlurmTaskResolver()
 
 
 def _local_host_names() -> set[str]:
@@ -394,6 +399,8 @@ def _collective_timeout(value: float | None) -> float | None:
 
 
 def _implementation(cross_device_ops: Any) -> Any:
+    import tensorflow as tf
+
     impl = tf.distribute.experimental.CommunicationImplementation
     if isinstance(cross_device_ops, impl):
         return cross_device_ops
@@ -472,6 +479,8 @@ def create_strategy(
     `KMK_COLLECTIVE_TIMEOUT`, else none) makes a stuck all-reduce fail instead of hanging; a
     dead peer is detected by TensorFlow's heartbeat (about 10 s) either way.
     """
+    import tensorflow as tf
+
     resolver_cls = tf.distribute.cluster_resolver.ClusterResolver
     if cluster_resolver is not None and not isinstance(cluster_resolver, resolver_cls):
         raise TypeError(

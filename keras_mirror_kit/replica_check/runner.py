@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_mirror_kit import backends
 from keras_mirror_kit.replica_check import specs
 from keras_mirror_kit.replica_check.causes import state_causes
 from keras_mirror_kit.replica_check.record import ReplicaCause, ReplicaCheck, compare_variables
@@ -93,7 +94,8 @@ def check_replicas(
             process cannot find by name, a model that is not compiled, too few samples, a
             batch size the replicas cannot share, or a bad argument.
         RuntimeError: When the 1-replica run fails or the check does not finish within
-            `timeout`, or when called inside the check's own child process.
+            `timeout`, when called inside the check's own child process, or on Keras' JAX
+            backend (the check simulates TensorFlow replicas; the message says what to do).
 
     Example:
 
@@ -129,6 +131,9 @@ def check_replicas(
             "`replicas` must be at least 2: the check compares 1 replica with N. "
             f"Received: replicas={replicas}"
         )
+    refusal = backends.current().REPLICA_CHECK_REFUSAL
+    if refusal:
+        raise RuntimeError(f"{refusal} Received: keras.backend.backend()={backends.name()!r}")
     job: dict[str, Any] = {"steps": steps, "batch_size": batch_size, "seed": seed}
     factory_object, job["factory"] = _reference("factory", factory)
     from keras_mirror_kit.replica_check.samples import (

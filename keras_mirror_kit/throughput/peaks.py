@@ -436,7 +436,7 @@ class PeakResolution:
     # GPU or from the CPU count once).
     devices: int
     dtype: str  # the table's dtype key
-    device_name: str  # the GPU's name as TensorFlow reports it, or the CPU's
+    device_name: str  # the GPU's name as the backend reports it, or the CPU's
     # Where `per_device` comes from ("peak_flops=", the table entry's source, or the roof
     # file), or why it is unknown.
     source: str
@@ -455,14 +455,14 @@ def resolve_peak(
 ) -> PeakResolution:
     """Finds the peak FLOP/s of the devices holding this process's replicas.
 
-    GPUs: the first replica's GPU name looked up in `GPU_PEAKS` (float32 counts as TF32 on
-    compute capability 8.0+ with TF32 enabled, TensorFlow's default); logical GPUs split from
-    one physical GPU count once. CPU: the roof `bench --roof` stored for this CPU and dtype,
-    counted once however many replicas share it. `peak_flops` (one device) replaces the lookup.
+    GPUs: the first replica's GPU name, as the backend reports it
+    (`backends.current().gpu_identity`), looked up in `GPU_PEAKS` (float32 counts as TF32 on
+    compute capability 8.0+ where the backend runs float32 matmuls as TF32, the default of
+    TensorFlow and of JAX); logical GPUs split from one physical GPU count once. CPU: the
+    roof `bench --roof` stored for this CPU and dtype, counted once however many replicas
+    share it. `peak_flops` (one device) replaces the lookup.
     `per_device` is None when the peak is unknown.
     """
-    import tensorflow as tf
-
     gpu_indices = sorted(
         {int(m.group(1)) for d in devices if (m := re.search(r"GPU:(\d+)$", d, re.I))}
     )
@@ -484,24 +484,11 @@ def resolve_peak(
             name,
             f"CPU matmul roof measured {when} ({roof_path()})",
         )
-    physical = tf.config.get_visible_devices("GPU")
-    owner: list[int] = []  # logical GPU index -> physical GPU position
-    for position, device in enumerate(physical):
-        configs = tf.config.get_logical_device_configuration(device) or [None]
-        owner.extend([position] * len(configs))
-    used = sorted({owner[i] for i in gpu_indices if i < len(owner)}) or [0]
-    name = "unknown GPU"
-    tf32 = False
-    if physical:
-        details = tf.config.experimental.get_device_details(physical[used[0]])
-        name = str(details.get("device_name") or name)
-        capability = details.get("compute_capability") or (0, 0)
-        tf32 = (
-            tuple(capability) >= (8, 0)
-            and tf.config.experimental.tensor_float_32_execution_enabled()
-        )
+    from keras_mirror_kit import backends
+
+    name, tf32, physical = backends.current().gpu_identity(gpu_indices)
     key = compute_dtype_key(compute_dtype, tf32=tf32)
-    count = len(used) * num_workers
+    count = physical * num_workers
     if peak_flops is not None:
         return PeakResolution(peak_flops, count, key, name, "peak_flops=")
     entry = lookup_gpu(name)

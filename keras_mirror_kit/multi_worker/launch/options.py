@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 from collections.abc import Sequence
 
 from keras_mirror_kit.multi_worker import PREEMPTED_EXIT_CODE
@@ -212,6 +213,7 @@ def validate(args: argparse.Namespace) -> None:
         if value < 0:
             flag = "--" + name.replace("_", "-")
             raise LaunchError(f"{flag} must be >= 0 seconds. Received: {flag} {value}")
+    check_keras_backend(os.environ.get("KERAS_BACKEND"))
     args.kind, prefix = resolve_target(args.target, module=args.module)
     args.command = [*prefix, *args.args]
     if args.gpus_per_worker is not None and args.gpus_per_worker < 0:
@@ -220,3 +222,29 @@ def validate(args: argparse.Namespace) -> None:
             f"--gpus-per-worker {args.gpus_per_worker}"
         )
     args.gpus = assign_gpus(args.nproc, visible_gpus(), args.gpus_per_worker)
+
+
+def check_keras_backend(backend: str | None) -> None:
+    """Refuses a job for another Keras backend than TensorFlow, before any worker starts.
+
+    The workers are `MultiWorkerMirroredStrategy` workers (TensorFlow). On JAX the kit trains
+    in one process over all local devices; multi-process JAX (`jax.distributed`) is not
+    built. A script that selects JAX itself is refused by each worker's `distributed()`.
+    """
+    name = (backend or "").strip().lower()
+    if not name or name == "tensorflow":
+        return
+    if name == "jax":
+        raise LaunchError(
+            "launch starts TensorFlow workers (MultiWorkerMirroredStrategy, one TF_CONFIG "
+            "each); multi-process training on Keras' JAX backend (jax.distributed) is not "
+            "built in keras-mirror-kit. On JAX, train in one process over all local devices "
+            "(keras.distribution.DataParallel): run the script itself, e.g. "
+            "`KERAS_BACKEND=jax python3 train.py`, or select TensorFlow for launch "
+            f"(KERAS_BACKEND=tensorflow). Received: KERAS_BACKEND={backend!r}"
+        )
+    raise LaunchError(
+        "launch starts TensorFlow workers (MultiWorkerMirroredStrategy), and keras-mirror-kit "
+        f"distributes on Keras' TensorFlow and JAX backends only. Set KERAS_BACKEND=tensorflow "
+        f"for launch. Received: KERAS_BACKEND={backend!r}"
+    )

@@ -1,0 +1,441 @@
+"""`image_dataset_from_directory` and `text_dataset_from_directory` with Keras' signatures.
+
+The files are found, ordered, split and labelled by Keras' own `index_directory` and
+`get_training_or_validation_split`, and each one is read by Keras' own decode function
+(`_load_image_tf`, `_path_to_string_content_tf`): the same `file_paths`, `class_names`,
+labels and pixels as `keras.utils.image_dataset_from_directory`. Only the iteration order
+differs: instead of a shuffle buffer of `8 x batch_size` paths, each epoch is a permutation
+keyed on `(seed, epoch)` (`make_dataset(paths, labels, load=...)`), which a
+`SyncedCheckpoint(dataset=)` resumes exactly mid-epoch.
+
+With a `seed`, the files are indexed in the order Keras gives them with that seed. Without
+one, they are indexed in sorted order (Keras would order them by a seed drawn at random)
+and the kit's permutation, keyed on a seed it draws and `SyncedCheckpoint` saves, does
+all the shuffling: a resumed run re-indexes the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from keras_mirror_kit.data.pipeline import _multi_worker_expected, build_dataset
+
+__all__ = ["image_dataset_from_directory", "text_dataset_from_directory"]
+
+IMAGE_FORMATS = (".bmp", ".gif", ".jpeg", ".jpg", ".png")
+INTERPOLATIONS = (
+    "bilinear",
+    "nearest",
+    "bicubic",
+    "area",
+    "lanczos3",
+    "lanczos5",
+    "gaussian",
+    "mitchellcubic",
+)
+_CHANNELS = {"grayscale": 1, "rgb": 3, "rgba": 4}
+
+
+class _Load:
+    """A per-file decode function of Keras', with its arguments (shown in messages)."""
+
+    def __init__(self, name: str, function: Callable[..., Any], *args: Any) -> None:
+        self.name = name
+        self._function = function
+        self._args = args
+
+    def __call__(self, path: tf.Tensor) -> tf.Tensor:
+        return self._function(path, *self._args)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _check_common(
+    labels: Any, label_mode: Any, class_names: Any, batch_size: Any, fmt: str, who: str
+) -> tuple[Any, Any]:
+    """Keras' checks of `labels`, `label_mode`, `class_names`; the kit's of the batch size."""
+    if labels not in ("inferred", None):
+        if not isinstance(labels, (list, tuple)):
+            raise ValueError(
+                "`labels` must be 'inferred', None or a list/tuple of integer labels, one per "
+                f"file in sorted path order. Received: labels={labels!r}"
+            )
+        if class_names:
+            raise ValueError(
+                "`class_names` can only be given with labels='inferred'. "
+                f"Received: labels={labels!r}, class_names={class_names!r}"
+            )
+    if label_mode not in {"int", "categorical", "binary", None}:
+        raise ValueError(
+            "`label_mode` must be one of 'int', 'categorical', 'binary' or None. "
+            f"Received: label_mode={label_mode!r}"
+        )
+    if fmt != "tf":
+        raise ValueError(
+            f"The kit's {who}() returns a tf.data.Dataset (format='tf') only; use "
+            f"keras.utils.{who}(format='grain') for Grain. Received: format={fmt!r}"
+        )
+    if batch_size is None:
+        raise TypeError(
+            f"The kit's {who}() yields batches of the global batch size (its cursor counts "
+            "batches): pass batch_size=dist.global_batch_size. For unbatched samples use "
+            f"keras.utils.{who}(batch_size=None). Received: batch_size=None"
+        )
+    if labels is None or label_mode is None:
+        return None, None
+    return labels, label_mode
+
+
+def _index(
+    directory: str,
+    labels: Any,
+    formats: Sequence[str],
+    class_names: Any,
+    shuffle: bool,
+    seed: int | None,
+    validation_split: float | None,
+    subset: str | None,
+    follow_links: bool,
+    verbose: bool,
+    label_mode: str | None,
+    what: str,
+) -> tuple[list[tuple[list[str], Any]], list[str] | None, int | None]:
+    """Keras' indexing and split: `[(paths, labels)]` per subset, class names, and the seed."""
+    from keras.src.utils import dataset_utils
+
+    dataset_utils.check_validation_split_arg(validation_split, subset, shuffle, seed)
+    if seed is None and shuffle and _multi_worker_expected():
+        raise ValueError(
+            "A multi-worker run needs the same `seed` on every worker (each worker indexes "
+            "and shuffles the files itself). Received: seed=None"
+        )
+    paths, found_labels, names = dataset_utils.index_directory(
+        directory,
+        labels,
+        formats=formats,
+        class_names=class_names,
+        shuffle=shuffle and seed is not None,
+        seed=seed,
+        follow_links=follow_links,
+        verbose=verbose,
+    )
+    if label_mode == "binary" and len(names) != 2:
+        raise ValueError(
+            f"label_mode='binary' needs exactly 2 classes. Received: class_names={names!r}"
+        )
+    subsets = ["training", "validation"] if subset == "both" else [subset]
+    parts = []
+    for name in subsets:
+        part_paths, part_labels = dataset_utils.get_training_or_validation_split(
+            paths, found_labels, validation_split, name
+        )
+        if not part_paths:
+            kind = f"{name} " if subset == "both" else ""
+            raise ValueError(
+                f"No {kind}{what} found in directory {directory}. "
+                f"Allowed formats: {tuple(formats)}"
+            )
+        parts.append((part_paths, part_labels))
+    return parts, names, seed
+
+
+def _label_map(label_mode: str | None, num_classes: int) -> Callable[[Any], Any] | None:
+    """Keras' label encoding (`labels_to_dataset_tf`), applied per batch."""
+    if label_mode == "binary":
+        return lambda labels: tf.expand_dims(tf.cast(labels, "float32"), axis=-1)
+    if label_mode == "categorical":
+        return lambda labels: tf.one_hot(labels, num_classes)
+    return None
+
+
+def _datasets(
+    parts: list[tuple[list[str], Any]],
+    class_names: list[str] | None,
+    label_mode: str | None,
+    load: _Load,
+    batch_size: int,
+    shuffle: bool,
+    seed: int | None,
+    subset: str | None,
+    options: dict[str, Any],
+) -> Any:
+    made = []
+    for i, (paths, part_labels) in enumerate(parts):
+        train = subset != "both" or i == 0
+        labels = None
+        if label_mode is not None:
+            labels = np.asarray(part_labels, dtype="int32")
+        dataset = build_dataset(
+            paths,
+            labels,
+            batch_size,
+            shuffle=shuffle and train,
+            seed=seed,
+            load=load,
+            label_map=_label_map(label_mode, len(class_names) if class_names else 0),
+            **options,
+        )
+        dataset.class_names = class_names  # as Keras' loader sets them
+        dataset.file_paths = paths
+        made.append(dataset)
+    return made if subset == "both" else made[0]
+
+
+def image_dataset_from_directory(
+    directory: str,
+    labels: Any = "inferred",
+    label_mode: str | None = "int",
+    class_names: list[str] | None = None,
+    color_mode: str = "rgb",
+    batch_size: int | None = 32,
+    image_size: Any = (256, 256),
+    shuffle: bool = True,
+    seed: int | None = None,
+    validation_split: float | None = None,
+    subset: str | None = None,
+    interpolation: str = "bilinear",
+    follow_links: bool = False,
+    crop_to_aspect_ratio: bool = False,
+    pad_to_aspect_ratio: bool = False,
+    data_format: str | None = None,
+    format: str = "tf",  # noqa: A002 (Keras' name)
+    verbose: bool = True,
+    *,
+    preprocess: Callable[[Any], Any] | None = None,
+    preprocess_on: str = "auto",
+    drop_remainder: bool | None = None,
+    strict: bool = False,
+) -> Any:
+    """Keras' `image_dataset_from_directory`, as a kit dataset that resumes exactly mid-epoch.
+
+    Same arguments, defaults, `file_paths`, `class_names`, labels and pixels as
+    `keras.utils.image_dataset_from_directory` (the files are indexed, split, labelled and
+    decoded by Keras' own functions). What differs: each epoch's order is a permutation
+    keyed on `(seed, epoch)` rather than a shuffle buffer, so `SyncedCheckpoint(dataset=)`
+    resumes it exactly mid-epoch; files are decoded in a parallel map (in a multi-worker
+    run each worker decodes only its own part of every batch); a shuffled (training)
+    dataset drops its last partial batch unless `drop_remainder=False`; and `preprocess`
+    (for example Keras' random augmentation layers) runs per batch with random draws keyed
+    on `(seed, epoch, batch)`, so augmentation is reproducible and resumes exactly.
+
+    Args:
+        directory: Directory of the images; with `labels="inferred"`, one subdirectory per
+            class.
+        labels: `"inferred"` (from the subdirectories), None (no labels), or a list/tuple
+            of integer labels, one per image file in sorted path order.
+        label_mode: `"int"` (int32), `"categorical"` (float32 one-hot), `"binary"`
+            (float32, shape (batch, 1), exactly 2 classes), or None (no labels).
+        class_names: With `labels="inferred"`, the subdirectories to use, in label order.
+        color_mode: `"grayscale"`, `"rgb"` or `"rgba"` (1, 3 or 4 channels).
+        batch_size: The GLOBAL batch size (e.g. `dist.global_batch_size`); None (Keras:
+            unbatched) is refused.
+        image_size: `(height, width)` to resize to (an int for a square).
+        shuffle: Shuffle every epoch (False: files in sorted order).
+        seed: Seed of the file order (as Keras') and of every epoch's permutation and
+            random draws; drawn at random when None (single host only). Needed with
+            `validation_split` and `shuffle`.
+        validation_split: Fraction of the files held out for validation.
+        subset: `"training"`, `"validation"` or `"both"` (a list of two datasets, the
+            validation one not shuffled), with `validation_split`.
+        interpolation: Resize method: `"bilinear"`, `"nearest"`, `"bicubic"`, `"area"`,
+            `"lanczos3"`, `"lanczos5"`, `"gaussian"` or `"mitchellcubic"`.
+        follow_links: Visit subdirectories that are symbolic links.
+        crop_to_aspect_ratio: Resize without distortion, cropping to the target ratio.
+        pad_to_aspect_ratio: Resize without distortion, padding to the target ratio.
+        data_format: `"channels_last"` or `"channels_first"`; None:
+            `keras.config.image_data_format()`.
+        format: `"tf"` only (Keras' `"grain"` is refused).
+        verbose: Print the number of files and classes found (Keras' message).
+        preprocess: Function applied to each batch of images (see `make_dataset`).
+        preprocess_on: Where `preprocess` runs for kit-built models (see `make_dataset`).
+        drop_remainder: Drop the last partial batch; defaults to `shuffle`.
+        strict: Refuse a `preprocess` whose random draws the kit cannot key, instead of a
+            WARNING.
+
+    Returns:
+        A kit `tf.data.Dataset` of `(images, labels)` (or images) batches: float32 images
+        of shape `(batch, height, width, channels)` (channels first with that data format),
+        with Keras' attributes `class_names` and `file_paths`. With `subset="both"`, a list
+        `[training, validation]`.
+
+    Raises:
+        TypeError: On `batch_size=None` or a non-integer batch size.
+        ValueError: On an argument Keras refuses (unknown `label_mode`, `color_mode`,
+            `interpolation`, a bad `image_size`, `validation_split` or `subset`, a split
+            without a seed, no images found), `format="grain"`, or no `seed` in a
+            multi-worker run with `shuffle`.
+
+    Example:
+
+    ```python
+    train_ds, val_ds = kmk.image_dataset_from_directory(
+        "PetImages", validation_split=0.2, subset="both", seed=1337,
+        image_size=(180, 180), batch_size=dist.global_batch_size)
+    model.fit(train_ds, validation_data=val_ds, epochs=25,
+              callbacks=[kmk.SyncedCheckpoint("ckpt", save_freq=100, dataset=train_ds)])
+    ```
+    """
+    labels, label_mode = _check_common(
+        labels, label_mode, class_names, batch_size, format, "image_dataset_from_directory"
+    )
+    if color_mode not in _CHANNELS:
+        raise ValueError(
+            "`color_mode` must be one of 'rgb', 'rgba', 'grayscale'. "
+            f"Received: color_mode={color_mode!r}"
+        )
+    if isinstance(image_size, int):
+        image_size = (image_size, image_size)
+    elif not isinstance(image_size, (list, tuple)) or len(image_size) != 2:
+        raise ValueError(
+            f"`image_size` must be a tuple of 2 integers. Received: image_size={image_size!r}"
+        )
+    interpolation = str(interpolation).lower()
+    if interpolation not in INTERPOLATIONS:
+        raise ValueError(
+            f"`interpolation` must be one of {INTERPOLATIONS}. "
+            f"Received: interpolation={interpolation!r}"
+        )
+    if crop_to_aspect_ratio and pad_to_aspect_ratio:
+        raise ValueError(
+            "Only one of `crop_to_aspect_ratio` and `pad_to_aspect_ratio` can be True. "
+            "Received: crop_to_aspect_ratio=True, pad_to_aspect_ratio=True"
+        )
+    from keras.src.backend.config import standardize_data_format
+    from keras.src.utils.image_dataset_utils import _load_image_tf
+
+    data_format = standardize_data_format(data_format)
+    parts, names, seed = _index(
+        directory,
+        labels,
+        IMAGE_FORMATS,
+        class_names,
+        shuffle,
+        seed,
+        validation_split,
+        subset,
+        follow_links,
+        verbose,
+        label_mode,
+        "images",
+    )
+    size = tuple(int(v) for v in image_size)
+    load = _Load(
+        f"decode_image(image_size={size}, color_mode={color_mode!r}, "
+        f"interpolation={interpolation!r})",
+        _load_image_tf,
+        size,
+        _CHANNELS[color_mode],
+        interpolation,
+        data_format,
+        crop_to_aspect_ratio,
+        pad_to_aspect_ratio,
+    )
+    options = dict(
+        preprocess=preprocess,
+        preprocess_on=preprocess_on,
+        drop_remainder=drop_remainder,
+        strict=strict,
+    )
+    return _datasets(parts, names, label_mode, load, batch_size, shuffle, seed, subset, options)
+
+
+def text_dataset_from_directory(
+    directory: str,
+    labels: Any = "inferred",
+    label_mode: str | None = "int",
+    class_names: list[str] | None = None,
+    batch_size: int | None = 32,
+    max_length: int | None = None,
+    shuffle: bool = True,
+    seed: int | None = None,
+    validation_split: float | None = None,
+    subset: str | None = None,
+    follow_links: bool = False,
+    format: str = "tf",  # noqa: A002 (Keras' name)
+    verbose: bool = True,
+    *,
+    preprocess: Callable[[Any], Any] | None = None,
+    preprocess_on: str = "auto",
+    drop_remainder: bool | None = None,
+    strict: bool = False,
+) -> Any:
+    """Keras' `text_dataset_from_directory`, as a kit dataset that resumes exactly mid-epoch.
+
+    Same arguments, defaults, file order, `class_names`, labels and strings as
+    `keras.utils.text_dataset_from_directory` (Keras' own indexing and reading of `.txt`
+    files); each epoch's order is a permutation keyed on `(seed, epoch)`, so
+    `SyncedCheckpoint(dataset=)` resumes it exactly mid-epoch. As with
+    `image_dataset_from_directory`, a shuffled dataset drops its last partial batch unless
+    `drop_remainder=False`.
+
+    Args:
+        directory: Directory of the `.txt` files; with `labels="inferred"`, one
+            subdirectory per class.
+        labels: `"inferred"`, None, or a list/tuple of integer labels in sorted path order.
+        label_mode: `"int"`, `"categorical"`, `"binary"` or None.
+        class_names: With `labels="inferred"`, the subdirectories to use, in label order.
+        batch_size: The GLOBAL batch size; None (Keras: unbatched) is refused.
+        max_length: Keep at most this many bytes of each file.
+        shuffle: Shuffle every epoch (False: files in sorted order).
+        seed: Seed of the file order and of every epoch's permutation; drawn at random
+            when None (single host only). Needed with `validation_split` and `shuffle`.
+        validation_split: Fraction of the files held out for validation.
+        subset: `"training"`, `"validation"` or `"both"` (a list of two datasets).
+        follow_links: Visit subdirectories that are symbolic links.
+        format: `"tf"` only.
+        verbose: Print the number of files and classes found (Keras' message).
+        preprocess: Function applied to each batch of strings (see `make_dataset`).
+        preprocess_on: Where `preprocess` runs for kit-built models (see `make_dataset`).
+        drop_remainder: Drop the last partial batch; defaults to `shuffle`.
+        strict: Refuse a `preprocess` whose random draws the kit cannot key.
+
+    Returns:
+        A kit `tf.data.Dataset` of `(texts, labels)` (or texts) batches, `tf.string`
+        texts, with Keras' `class_names` attribute (and `file_paths`). With
+        `subset="both"`, a list `[training, validation]`.
+
+    Raises:
+        TypeError: On `batch_size=None` or a non-integer batch size.
+        ValueError: On an argument Keras refuses, `format="grain"`, or no `seed` in a
+            multi-worker run with `shuffle`.
+
+    Example:
+
+    ```python
+    train_ds = kmk.text_dataset_from_directory(
+        "aclImdb/train", batch_size=dist.global_batch_size, validation_split=0.2,
+        subset="training", seed=1337)
+    ```
+    """
+    labels, label_mode = _check_common(
+        labels, label_mode, class_names, batch_size, format, "text_dataset_from_directory"
+    )
+    from keras.src.utils.text_dataset_utils import _path_to_string_content_tf
+
+    parts, names, seed = _index(
+        directory,
+        labels,
+        (".txt",),
+        class_names,
+        shuffle,
+        seed,
+        validation_split,
+        subset,
+        follow_links,
+        verbose,
+        label_mode,
+        "text files",
+    )
+    load = _Load(f"read_text(max_length={max_length!r})", _path_to_string_content_tf, max_length)
+    options = dict(
+        preprocess=preprocess,
+        preprocess_on=preprocess_on,
+        drop_remainder=drop_remainder,
+        strict=strict,
+    )
+    return _datasets(parts, names, label_mode, load, batch_size, shuffle, seed, subset, options)
