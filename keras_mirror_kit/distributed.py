@@ -176,7 +176,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             raise ValueError(
                 "Unknown `strategy`. Expected one of "
                 f"{', '.join(map(repr, backend.STRATEGIES))} or the backend's own object "
-                f"({_OWN_OBJECT[backend.NAME]}). "
+                f"({_OWN_OBJECT[backend.NAME]}).{_foreign_strategy_hint(strategy, backend.NAME)} "
                 f"Received: strategy={strategy!r}"
             )
         if ready_made and devices is not None:
@@ -343,3 +343,13 @@ class DistributedFactory(Generic[P, R]):
 def check_backend() -> str:
     """The Keras backend's name, or a `RuntimeError` unless it is TensorFlow or JAX."""
     return backends.check_supported()
+
+
+def _foreign_strategy_hint(strategy: object, backend_name: str) -> str:
+    """A sentence for a `tf.distribute` strategy given on another backend, else ''."""
+    if backend_name == "tensorflow" or not type(strategy).__module__.startswith("tensorflow"):
+        return ""
+    return (
+        f" A tf.distribute strategy runs on Keras' TensorFlow backend only: run with "
+        f"KERAS_BACKEND=tensorflow, or leave `strategy` to the kit on {backend_name}."
+    )

@@ -204,7 +204,8 @@ def _check_training_remainder(x: Any, dist: Distribution) -> None:
             "samples unequally (or leave a replica without any), unlike one device. Build the "
             "training dataset with drop_remainder=True (the default with shuffle=True), or "
             f"with a number of samples whose remainder is a multiple of {dist.num_replicas}. "
-            "Evaluation and prediction take a last batch of any size. "
+            "On the TensorFlow backend, evaluate() and predict() take a last batch of any "
+            "size. "
             f"Received: batch_size={info.batch_size}, samples={info.epoch_samples}"
         )
 
@@ -262,9 +263,9 @@ def check_even_batches(given: dict[str, Any], dist: Distribution, method: str) -
                 f"{n} devices, but the last batch of `{argument}` holds {last} samples, which "
                 f"do not split evenly over {n}. Use a number of samples (or a batch size) "
                 f"that leaves a remainder divisible by {n}, or drop the last partial batch "
-                "(make_dataset(..., drop_remainder=True)); on the TensorFlow backend a last "
-                f"batch of any size is evaluated. Received: {argument} with a last batch of "
-                f"{last}"
+                "(make_dataset(..., drop_remainder=True)); on the TensorFlow backend, "
+                "evaluate() and predict() take a last batch of any size. "
+                f"Received: {argument} with a last batch of {last}"
             )
 
 
