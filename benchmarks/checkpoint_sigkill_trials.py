@@ -1,9 +1,10 @@
 """All ten seeded SIGKILL trials of the checkpoint tests in both save modes, on either backend.
 
-The test suite runs the ten seeded kills with synchronous saves and three with
+The test suite runs three of the seeded kills with synchronous saves and three with
 `async_save=True` on TensorFlow (tests/test_checkpoint_crash.py), and two synchronous and
 one asynchronous on JAX (tests/test_jax_checkpoints.py), to keep the suite's time; this
-script runs ten in each mode (`KMK_ASYNC_SIGKILL_TRIALS=10`, `KMK_JAX_SIGKILL_TRIALS=10`)
+script runs ten in each mode (`KMK_SIGKILL_TRIALS=10`, `KMK_ASYNC_SIGKILL_TRIALS=10`,
+`KMK_JAX_SIGKILL_TRIALS=10`)
 and prints pytest's verdict and time for each. Each trial kills a training process
 (2 replicas: logical CPU devices on TensorFlow, simulated CPU devices on JAX) with SIGKILL
 at a seeded point (a file write and its stage, or a training step), then resumes it and
@@ -31,7 +32,7 @@ from _report import say  # benchmarks/_report.py
 TESTS = {
     "tensorflow": {
         "sync, 10 trials": "tests/test_checkpoint_crash.py::"
-        "test_ten_seeded_random_sigkills_all_resume_to_the_uninterrupted_weights",
+        "test_seeded_random_sigkills_all_resume_to_the_uninterrupted_weights",
         "async, 10 trials": "tests/test_checkpoint_crash.py::"
         "test_seeded_random_sigkills_during_background_saves_resume_to_the_same_weights",
     },
@@ -62,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         f"command: python benchmarks/checkpoint_sigkill_trials.py --backend {backend}; "
         f"load {os.getloadavg()[0]:.2f}"
     )
-    env = {**child_env(), "KMK_ASYNC_SIGKILL_TRIALS": "10", "KMK_JAX_SIGKILL_TRIALS": "10"}
+    trials = {
+        "KMK_SIGKILL_TRIALS": "10",
+        "KMK_ASYNC_SIGKILL_TRIALS": "10",
+        "KMK_JAX_SIGKILL_TRIALS": "10",
+    }
+    env = {**child_env(), **trials}
     failed = 0
     for label, name in TESTS[backend].items():
         start = time.perf_counter()
