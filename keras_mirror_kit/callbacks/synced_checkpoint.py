@@ -12,7 +12,7 @@ import os
 import signal
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
@@ -50,7 +50,7 @@ from keras_mirror_kit.checkpoint.snapshot import (
 )
 from keras_mirror_kit.checkpoint.state import build_optimizer, state_variables
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
-from keras_mirror_kit.data import DatasetCursor, cursor_of
+from keras_mirror_kit.data import cursor_of
 from keras_mirror_kit.fit_inputs import dataset_cursor
 from keras_mirror_kit.model_record import engine_of, is_chief
 from keras_mirror_kit.validation import (
@@ -60,6 +60,9 @@ from keras_mirror_kit.validation import (
     positive_int_or,
 )
 from keras_mirror_kit.with_block import check_callback_model
+
+if TYPE_CHECKING:  # data.cursor imports TensorFlow: not for a JAX-only install
+    from keras_mirror_kit.data import DatasetCursor
 
 __all__ = ["ReplicaDivergenceError", "SyncedCheckpoint"]
 

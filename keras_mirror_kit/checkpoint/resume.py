@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,8 +20,10 @@ from keras_mirror_kit import backends
 from keras_mirror_kit.checkpoint.meta import CheckpointMeta, DataDescription
 from keras_mirror_kit.checkpoint.state import apply_state
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
-from keras_mirror_kit.data import DatasetCursor
 from keras_mirror_kit.model_record import distribution_of
+
+if TYPE_CHECKING:  # data.cursor imports TensorFlow: not for a JAX-only install
+    from keras_mirror_kit.data import DatasetCursor
 
 __all__ = [
     "MidEpochSkip",
