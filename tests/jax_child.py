@@ -110,6 +110,46 @@ def main() -> int:
             variables = {v.path: v for v in model.variables}
             moving = [p for p in variables if "moving" in p]
             result["moving_statistics"] = {p: np.asarray(variables[p]).tolist() for p in moving}
+    # The `with` form: the same model and data as the decorator's "sgd" case.
+    with kmk.distributed(global_batch_size=16) as block:
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential(
+            [
+                keras.Input((5,)),
+                keras.layers.Dense(8, activation="tanh"),
+                keras.layers.BatchNormalization(),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+        model.set_weights(start)
+        model.fit(kmk.make_dataset(x, y, 16, seed=3), epochs=2, verbose=0)
+    trained["with_form"] = [w.tolist() for w in model.get_weights()]
+    result["with_form_replicas"] = block.num_replicas
+    # A file source feeds it too: an image folder (24 files), 1 device against 2.
+    from tests.data_files import image_folder
+
+    folder = image_folder(weights_path.parent / f"images-{n}", per_class=8)
+    images = kmk.image_dataset_from_directory(
+        folder, batch_size=16, image_size=(8, 8), seed=5, preprocess=kmk.rescale()
+    )
+
+    @kmk.distributed(global_batch_size=16)
+    def image_model():
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential(
+            [keras.Input((8, 8, 3)), keras.layers.Flatten(), keras.layers.Dense(3)]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    model = image_model()
+    trained["image_folder_start"] = [w.tolist() for w in model.get_weights()]
+    model.fit(images, epochs=2, verbose=0)
+    trained["image_folder"] = [w.tolist() for w in model.get_weights()]
     result["trained"] = trained
     result["warmup"] = float(kmk.WarmupSchedule(1e-2, warmup_steps=10, start_learning_rate=0.0)(5))
 
@@ -135,6 +175,17 @@ def main() -> int:
     del os.environ["TF_CONFIG"]
     one_device = kmk.distributed(16, devices=["cpu:0"]).distribution
     result["one_device"] = [list(one_device.devices), one_device.num_replicas]
+    if n > 1:  # TensorFlow-style names, as the kit takes them on TensorFlow
+        tf_names = ["/cpu:0", "/job:localhost/replica:0/task:0/device:CPU:1"]
+        result["tf_style_devices"] = list(
+            kmk.distributed(16, devices=tf_names).distribution.devices
+        )
+        import tensorflow as tf
+
+        strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+        result["errors"]["tf_strategy"] = _error(
+            lambda: kmk.distributed(16, strategy=strategy).distribution
+        )
     result["log"] = records
     out.write_text(json.dumps(result))
     return 0

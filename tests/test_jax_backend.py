@@ -53,6 +53,8 @@ def test_the_distribution_reports_as_on_tensorflow(runs):
         assert f"global batch 16 = {16 // n} per replica x {n}" in dist["describe"]
         assert dist["config"]["num_replicas"] == n
     assert runs[2]["one_device"] == [["cpu:0"], 1]  # devices= takes keras' names
+    assert runs[2]["tf_style_devices"] == ["cpu:0", "cpu:1"]  # and TensorFlow's
+    assert runs[2]["with_form_replicas"] == 2
     assert runs[2]["warmup"] == pytest.approx(5e-3)
 
 
@@ -62,6 +64,20 @@ def test_the_distribution_reports_as_on_tensorflow(runs):
 )
 def test_one_and_two_devices_train_to_the_same_weights(runs, case, tolerance):
     assert _max_difference(runs[1]["trained"][case], runs[2]["trained"][case]) <= tolerance
+
+
+def test_the_with_form_trains_as_the_decorator_does(runs):
+    for n in (1, 2):
+        assert _max_difference(runs[n]["trained"]["with_form"], runs[n]["trained"]["sgd"]) <= 1e-6
+    assert (
+        _max_difference(runs[1]["trained"]["with_form"], runs[2]["trained"]["with_form"]) <= 1e-6
+    )
+
+
+def test_an_image_folder_feeds_two_devices_as_one(runs):
+    one, two = runs[1]["trained"]["image_folder"], runs[2]["trained"]["image_folder"]
+    assert _max_difference(one, two) <= 1e-6
+    assert _max_difference(one, runs[1]["trained"]["image_folder_start"]) > 1e-3  # it trained
 
 
 def test_batch_norm_statistics_are_global_under_spmd(runs):
@@ -91,6 +107,8 @@ def test_what_has_no_jax_meaning_is_refused_before_any_step(runs):
     assert errors["unknown_device"][0] == "ValueError" and "'gpu:7'" in errors["unknown_device"][1]
     kind, message = errors["simulate_late"]
     assert kind == "RuntimeError" and "after JAX initialised its devices" in message
+    kind, message = errors["tf_strategy"]
+    assert kind == "ValueError" and "runs on Keras' TensorFlow backend only" in message
     kind, message = errors["outside"]
     assert kind == "ValueError" and "not replicated over the devices" in message
     kind, message = runs[2]["uneven_evaluate"]
