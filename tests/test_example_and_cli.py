@@ -247,13 +247,11 @@ def test_cli_info_reports_versions_devices_and_choice(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")
 def test_example_runs_on_jax(tmp_path):
-    """The same script with KERAS_BACKEND=jax: DataParallel over 2 simulated CPU devices.
-
-    `--no-checkpoint`: SyncedCheckpoint on JAX is built separately (issue 28); the example's
-    checkpoint and resume are tested on TensorFlow above.
-    """
+    """The same script with KERAS_BACKEND=jax: DataParallel over 2 simulated CPU devices,
+    with its checkpoints (their resume on JAX: tests/test_jax_checkpoints.py)."""
     args = [EXAMPLE, "--epochs", "1", "--simulate-replicas", "2", "--train-samples", "2048",
-            "--data", "synthetic", "--no-checkpoint", "--output", "out/model.keras"]  # fmt: skip
+            "--data", "synthetic", "--checkpoint-dir", "ckpt",
+            "--output", "out/model.keras"]  # fmt: skip
     proc = run(args, tmp_path, env={"KERAS_BACKEND": "jax"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "DataParallel on cpu:0, cpu:1 (2 replicas)" in proc.stderr
@@ -265,6 +263,8 @@ def test_example_runs_on_jax(tmp_path):
     accuracy = float(proc.stdout.split("Test accuracy: ")[1].split("%")[0])
     assert 0.0 <= accuracy <= 100.0
     assert (tmp_path / "out" / "model.keras").exists()
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("ckpt-*.npz"))
+    assert saved, sorted(p.name for p in (tmp_path / "ckpt").iterdir())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")
