@@ -122,7 +122,8 @@ def test_mixed_precision_for_the_factory_only(policy):
     other = keras.layers.Dense(2)
     assert other.compute_dtype == "float32"  # layers built elsewhere are untouched
 
-    (x, y), (xt, yt) = kmk.datasets.make_synthetic_cifar10(2048, 512, seed=1)
+    # bfloat16 arithmetic is slow on a CPU: a few steps show it learns (chance is 0.1).
+    (x, y), (xt, yt) = kmk.datasets.make_synthetic_cifar10(1024, 256, seed=1)
     train = kmk.make_dataset(x, y, 64, seed=0, preprocess=kmk.rescale())
     model.fit(train, epochs=3, verbose=0)
     assert model(kmk.rescale()(xt[:4])).dtype == "float32"
