@@ -103,3 +103,30 @@ def test_each_worker_keeps_a_contiguous_block_of_a_batch():
     assert blocks(2, 1, 8) == [(0, 4), (4, 8)]
     assert blocks(2, 1, 2) == [(0, 1), (1, 2)] and blocks(2, 1, 1) == [(0, 1), (1, 1)]
     assert blocks(2, 2, 8) == [(0, 4), (4, 8)] and blocks(2, 2, 5) == [(0, 4), (4, 5)]
+
+
+def test_a_worker_with_nothing_of_a_short_last_batch_still_yields_it(monkeypatch):
+    """2 workers, 1 replica each, a last batch of 1 sample: worker 1's block of it is empty;
+    it yields the batch's size with copies (the sharding keeps none of them)."""
+    import json
+
+    import tensorflow as tf
+
+    import keras_mirror_kit as kmk
+
+    cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
+    monkeypatch.setenv(
+        "TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 1}})
+    )
+    loaded = []
+
+    def load(item):
+        loaded.append(item)
+        return tf.cast(item, tf.float32)[tf.newaxis]
+
+    ds = kmk.make_dataset(
+        np.arange(5), np.arange(5), 4, shuffle=False, load=load, drop_remainder=False
+    )
+    batches = [(x.numpy(), y.numpy()) for x, y in ds]
+    assert [len(x) for x, _ in batches] == [4, 1]
+    assert batches[0][0][2:, 0].tolist() == [2.0, 3.0] and batches[0][1][2:].tolist() == [2, 3]

@@ -146,13 +146,16 @@ def load_batches(
             )
 
         features, labels = batch["features"], batch.get("labels")
-        if padded:
-            features = valid(features)
-            labels = valid(labels) if has_y else None
         if part is not None:
+            # This worker's block, placed in a batch of the global size. An empty block (a
+            # short last batch that ends before it) keeps its one filler sample to copy:
+            # the sharding drops every position outside the block.
             size, start = batch["size"][0], batch["start"][0]
             features = fill_batch(features, size, start)
             labels = fill_batch(labels, size, start) if has_y else None
+        elif padded:
+            features = valid(features)
+            labels = valid(labels) if has_y else None
         if preprocess is not None:
             graphs.append((tf.compat.v1.get_default_graph(), f"preprocess={describe(preprocess)}"))
             key = fold_key(batch["epoch_key"][0], BATCH_DOMAIN, batch["position"][0])
