@@ -49,8 +49,11 @@ def test_background_writes_hold_the_state_of_their_step_while_training_goes_on(
     sync = SyncedCheckpoint(tmp_path / "sync", save_freq=2, keep=100, dataset=ds)
     model.fit(ds, epochs=2, verbose=0, callbacks=[sync])
 
-    # Each background write starts only once training has run one more step (progress, not
-    # time), so the variables it snapshots have changed by then; writes are recorded.
+    # Each background write starts only once training has run one step past the save's
+    # (progress, not time), so the variables it snapshots have changed by then; writes are
+    # recorded. The k-th write is the save of step 2k (save_freq=2, 6 steps an epoch): its
+    # target is step 2k + 1, whenever the writer thread gets to run (a target taken from the
+    # step reached when the thread starts could wait for a step that waits for this write).
     steps, real_write = Steps(), checkpoint_store.atomic_write
     started: list[tuple[str, int]] = []
     active: list[int] = []
@@ -58,7 +61,7 @@ def test_background_writes_hold_the_state_of_their_step_while_training_goes_on(
     def write_after_one_more_step(path, write, **options):
         if path.name.startswith("ckpt-"):
             with steps.changed:
-                target = steps.done + 1
+                target = 2 * (len(started) + 1) + 1
                 assert steps.changed.wait_for(lambda: steps.done >= target or steps.ended, 120)
                 started.append((path.name, steps.done))
             active.append(1)
