@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 __all__ = [
+    "pick_devices",
     "check_bool",
     "check_path",
     "non_empty_str",
@@ -127,3 +128,30 @@ def check_path(name: str, value: object) -> str | os.PathLike[str]:
     if not str(value):
         raise ValueError(message)
     return value
+
+
+def pick_devices(
+    devices: Sequence[object],
+    canonical: Callable[[str], Hashable],
+    available: Mapping[Hashable, object],
+    shown: Sequence[str],
+) -> list[object]:
+    """Each named device's entry in `available` (keyed by `canonical(name)`), in order."""
+    chosen: list[object] = []
+    seen: set[Hashable] = set()
+    for item in devices:
+        if not isinstance(item, str):
+            raise TypeError(
+                f"`devices` must contain device-name strings. Received: devices={devices!r}"
+            )
+        key = canonical(item)
+        if key in seen:
+            raise ValueError(f"`devices` names {item!r} twice. Received: devices={devices!r}")
+        seen.add(key)
+        if key not in available:
+            raise ValueError(
+                f"Device {item!r} does not exist on this host. Available devices: "
+                f"{list(shown)}. Received: devices={list(devices)!r}"
+            )
+        chosen.append(available[key])
+    return chosen

@@ -37,7 +37,7 @@ from keras_mirror_kit.backends.jax_state import (  # the checkpoints' reads and 
     reads_collectively,
     replica_copies,
 )
-from keras_mirror_kit.validation import positive_int
+from keras_mirror_kit.validation import pick_devices, positive_int
 
 __all__ = [
     "NAME",
@@ -217,7 +217,7 @@ def replica_devices(devices: Sequence[str] | None = None) -> list[Any]:
     if isinstance(devices, str) or not isinstance(devices, Sequence):
         raise TypeError(
             "`devices` must be a list of device names such as ['gpu:0', 'gpu:1'] (what "
-            "keras.distribution.list_devices() returns). Received: devices={devices!r}"
+            f"keras.distribution.list_devices() returns). Received: devices={devices!r}"
         )
     if not devices:
         raise ValueError("`devices` must name at least one device. Received: devices=[]")
@@ -228,24 +228,8 @@ def replica_devices(devices: Sequence[str] | None = None) -> list[Any]:
                 available[(platform, device.id)] = device
         except RuntimeError:  # no such platform here
             continue
-    chosen, seen = [], set()
-    for item in devices:
-        if not isinstance(item, str):
-            raise TypeError(
-                f"`devices` must contain device-name strings. Received: devices={devices!r}"
-            )
-        key = _canonical(item)
-        if key in seen:
-            raise ValueError(f"`devices` names {item!r} twice. Received: devices={devices!r}")
-        seen.add(key)
-        if key not in available:
-            names = sorted(f"{p}:{i}" for p, i in available)
-            raise ValueError(
-                f"Device {item!r} does not exist on this host. Available devices: {names}. "
-                f"Received: devices={list(devices)!r}"
-            )
-        chosen.append(available[key])
-    return chosen
+    shown = sorted(f"{platform}:{index}" for platform, index in available)
+    return pick_devices(devices, _canonical, available, shown)
 
 
 def _refuse(what: str, received: str) -> ValueError:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from keras_mirror_kit.validation import positive_int
+from keras_mirror_kit.validation import pick_devices, positive_int
 
 __all__ = [
     "SIMULATE_REPLICAS_ENV",
@@ -131,21 +131,4 @@ def replica_devices(devices: Sequence[str] | None = None) -> list[str]:
     if not devices:
         raise ValueError("`devices` must name at least one device. Received: devices=[]")
     available = {_canonical(d.name): d.name for d in tf.config.list_logical_devices()}
-    names: list[str] = []
-    seen: set[tuple[str, int]] = set()
-    for item in devices:
-        if not isinstance(item, str):
-            raise TypeError(
-                f"`devices` must contain device-name strings. Received: devices={devices!r}"
-            )
-        key = _canonical(item)
-        if key in seen:
-            raise ValueError(f"`devices` names {item!r} twice. Received: devices={devices!r}")
-        seen.add(key)
-        if key not in available:
-            raise ValueError(
-                f"Device {item!r} does not exist on this host. Available devices: "
-                f"{sorted(available.values())}. Received: devices={list(devices)!r}"
-            )
-        names.append(available[key])
-    return names
+    return pick_devices(devices, _canonical, available, sorted(available.values()))

@@ -7,13 +7,13 @@ counters (`flops_tf`, `flops_jax`), which all use it: no framework is imported h
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import keras
 
-__all__ = ["FlopCount", "model_compute_dtype"]
+__all__ = ["FlopCount", "compiled_loss", "model_compute_dtype"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +61,15 @@ def model_compute_dtype(model: Any) -> str:
     if not weight_by_dtype:
         return str(getattr(model, "compute_dtype", None) or keras.backend.floatx())
     return max(weight_by_dtype, key=weight_by_dtype.__getitem__)
+
+
+def compiled_loss(model: keras.Model) -> tuple[Callable | None, str]:
+    """The model's single compiled loss as a callable, or None (then a surrogate is used)."""
+    loss = getattr(model, "loss", None)
+    if loss is None or isinstance(loss, (list, tuple, dict)):
+        return None, "surrogate"
+    try:
+        fn = keras.losses.get(loss)
+    except (ValueError, TypeError):
+        return None, "surrogate"
+    return (fn, "compiled") if callable(fn) else (None, "surrogate")

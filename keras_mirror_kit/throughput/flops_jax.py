@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from keras_mirror_kit.throughput.flop_count import FlopCount
+from keras_mirror_kit.throughput.flop_count import FlopCount, compiled_loss
 
 __all__ = ["count_training_flops", "model_input_shapes"]
 
@@ -103,7 +103,7 @@ def count_training_flops(
     cached = _CACHE.get(model, {}).get(key)
     if cached is not None:
         return cached
-    loss_fn, loss_kind = _compiled_loss(model)
+    loss_fn, loss_kind = compiled_loss(model)
     training: dict[int, float] = {}
     forward: dict[int, float] = {}
     for batch in _BATCHES:
@@ -130,18 +130,6 @@ def count_training_flops(
     )
     _CACHE.setdefault(model, {})[key] = count
     return count
-
-
-def _compiled_loss(model: keras.Model) -> tuple[Callable | None, str]:
-    """The model's single compiled loss as a callable, or None (then a surrogate is used)."""
-    loss = getattr(model, "loss", None)
-    if loss is None or isinstance(loss, (list, tuple, dict)):
-        return None, "surrogate"
-    try:
-        fn = keras.losses.get(loss)
-    except (ValueError, TypeError):
-        return None, "surrogate"
-    return (fn, "compiled") if callable(fn) else (None, "surrogate")
 
 
 def _label_struct(

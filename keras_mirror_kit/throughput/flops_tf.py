@@ -45,7 +45,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit.throughput.flop_count import FlopCount
+from keras_mirror_kit.throughput.flop_count import FlopCount, compiled_loss
 
 __all__ = ["count_training_flops", "model_input_specs"]
 
@@ -123,7 +123,7 @@ def count_training_flops(
     cached = _CACHE.get(model, {}).get(key)
     if cached is not None:
         return cached
-    loss_fn, loss_kind = _compiled_loss(model)
+    loss_fn, loss_kind = compiled_loss(model)
     training: dict[int, dict[str, float]] = {}
     forward: dict[int, dict[str, float]] = {}
     uncounted: set[str] = set()
@@ -158,18 +158,6 @@ def count_training_flops(
     )
     _CACHE.setdefault(model, {})[key] = count
     return count
-
-
-def _compiled_loss(model: keras.Model) -> tuple[Callable | None, str]:
-    """The model's single compiled loss as a callable, or None (then a surrogate is used)."""
-    loss = getattr(model, "loss", None)
-    if loss is None or isinstance(loss, (list, tuple, dict)):
-        return None, "surrogate"
-    try:
-        fn = keras.losses.get(loss)
-    except (ValueError, TypeError):
-        return None, "surrogate"
-    return (fn, "compiled") if callable(fn) else (None, "surrogate")
 
 
 def _label_spec(

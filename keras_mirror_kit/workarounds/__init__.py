@@ -43,8 +43,9 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
 from __future__ import annotations
 
 import re
+from typing import Any
 
-__all__ = ["keras_version_in", "parse_version"]
+__all__ = ["inner_optimizer", "keras_version_in", "parse_version", "tf_optimizer_class"]
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -66,3 +67,19 @@ def keras_version_in(
         keras_version = keras.__version__
     low, high = tested
     return low <= parse_version(keras_version) < high
+
+
+def inner_optimizer(optimizer: Any) -> Any:
+    """The optimizer that does the work: a `LossScaleOptimizer`'s inner one, else itself."""
+    import keras
+
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
+def tf_optimizer_class() -> Any:
+    """Keras' TensorFlow optimizer base class (`TFOptimizer`), whose source the canaries read."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    return TFOptimizer

@@ -45,7 +45,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit.workarounds import keras_version_in
+from keras_mirror_kit.workarounds import inner_optimizer, keras_version_in, tf_optimizer_class
 
 __all__ = ["TESTED_KERAS", "UPSTREAM", "apply", "is_fixed", "status"]
 
@@ -57,22 +57,9 @@ TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
 _FIXED: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers `apply` fixed
 
 
-def _tf_optimizer_class() -> Any:
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-
-    return TFOptimizer
-
-
-def _inner(optimizer: Any) -> Any:
-    """The optimizer that keeps the averages: the inner one of a `LossScaleOptimizer`."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return optimizer.inner_optimizer
-    return optimizer
-
-
 def _bug_in_source(optimizer_class: Any = None) -> bool:
     """True unless Keras' source shows the overwrite no longer merge-calls inside a cond."""
-    optimizer_class = optimizer_class or _tf_optimizer_class()
+    optimizer_class = optimizer_class or tf_optimizer_class()
     try:
         apply_source = inspect.getsource(optimizer_class._backend_apply_gradients)  # noqa: SLF001
         overwrite_source = inspect.getsource(
@@ -124,7 +111,7 @@ def is_fixed(optimizer: Any) -> bool:
     ```
     """
     try:
-        return _inner(optimizer) in _FIXED
+        return inner_optimizer(optimizer) in _FIXED
     except TypeError:  # not weak-referenceable
         return False
 
@@ -196,7 +183,7 @@ def apply(optimizer: Any) -> bool:
     apply(model.optimizer)
     ```
     """
-    inner = _inner(optimizer)
+    inner = inner_optimizer(optimizer)
     if inner is None or not getattr(inner, "use_ema", False):
         return False
     if is_fixed(inner):

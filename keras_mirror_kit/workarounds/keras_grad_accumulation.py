@@ -62,7 +62,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit.workarounds import keras_version_in
+from keras_mirror_kit.workarounds import inner_optimizer, keras_version_in
 
 __all__ = ["TESTED_KERAS", "UPSTREAM", "accumulating_optimizer", "apply", "is_fixed", "status"]
 
@@ -76,9 +76,7 @@ _FIXED: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers `apply` fixed
 
 def accumulating_optimizer(optimizer: Any) -> Any:
     """The optimizer holding `gradient_accumulation_steps`: a `LossScaleOptimizer`'s inner one."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return optimizer.inner_optimizer
-    return optimizer
+    return inner_optimizer(optimizer)
 
 
 def status(keras_version: str | None = None) -> str:

@@ -58,7 +58,7 @@ from typing import Any
 
 import keras
 
-from keras_mirror_kit.workarounds import keras_version_in
+from keras_mirror_kit.workarounds import inner_optimizer, keras_version_in, tf_optimizer_class
 
 __all__ = ["TESTED_KERAS", "UPSTREAM", "apply", "clip_options", "is_fixed", "status"]
 
@@ -71,29 +71,16 @@ _OPTIONS = ("clipnorm", "global_clipnorm", "clipvalue")
 _FIXED: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers `apply` fixed
 
 
-def _tf_optimizer_class() -> Any:
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
-
-    return TFOptimizer
-
-
-def _inner(optimizer: Any) -> Any:
-    """The optimizer that clips: the inner one of a `LossScaleOptimizer`."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return optimizer.inner_optimizer
-    return optimizer
-
-
 def clip_options(optimizer: Any) -> dict[str, float]:
     """The clipping options an optimizer (or a loss scaler's inner one) has set, by name."""
-    inner = _inner(optimizer)
+    inner = inner_optimizer(optimizer)
     given = {name: getattr(inner, name, None) for name in _OPTIONS}
     return {name: float(value) for name, value in given.items() if value and value > 0}
 
 
 def _bug_in_source(optimizer_class: Any = None) -> bool:
     """True unless Keras' TensorFlow optimizer shows it clips after its all-reduce."""
-    optimizer_class = optimizer_class or _tf_optimizer_class()
+    optimizer_class = optimizer_class or tf_optimizer_class()
     try:
         apply_source = inspect.getsource(optimizer_class._backend_apply_gradients)  # noqa: SLF001
         reduce_source = inspect.getsource(
@@ -145,7 +132,7 @@ def is_fixed(optimizer: Any) -> bool:
     ```
     """
     try:
-        return _inner(optimizer) in _FIXED
+        return inner_optimizer(optimizer) in _FIXED
     except TypeError:  # not weak-referenceable
         return False
 
@@ -211,7 +198,7 @@ def apply(optimizer: Any, replicas: int) -> bool:
     apply(model.optimizer, build_model.distribution.num_replicas)
     ```
     """
-    inner = _inner(optimizer)
+    inner = inner_optimizer(optimizer)
     if inner is None or replicas <= 1:
         return False
     if is_fixed(inner):

@@ -117,4 +117,3 @@ def status(keras_version: str | None = None) -> str:
     if keras_version_in(TESTED_KERAS, keras_version):
         return "tested"
     return "fixed-upstream" if bug_in_source() is False else "untested"
-
