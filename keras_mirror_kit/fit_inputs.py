@@ -43,10 +43,13 @@ from keras_mirror_kit.tensorflow_objects import (
 __all__ = [
     "BatchPlan",
     "check_input",
+    "check_training_split",
     "dataset_batch_size",
     "dataset_cursor",
     "is_array_data",
     "plan_batches",
+    "replica_parts",
+    "training_last_batch",
 ]
 
 _BATCHING = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
@@ -186,28 +189,81 @@ def dataset_cursor(dataset: Any) -> Any:
     return info.cursor if info is not None else None
 
 
-def _check_training_remainder(x: Any, dist: Distribution) -> None:
-    """A kit dataset kept for training must not end on a batch the replicas split unevenly.
+def replica_parts(samples: int, replicas: int) -> list[int]:
+    """How tf.distribute splits a batch of `samples` over `replicas`: parts of
+    `ceil(samples / replicas)` in replica order, the rest to the last ones (13 over 2: 7, 6;
+    9 over 4: 3, 3, 3, 0)."""
+    part = -(-samples // replicas)
+    return [max(0, min(part, samples - i * part)) for i in range(replicas)]
 
-    Each replica's loss is the mean over its own part, and the parts' gradients are summed:
-    parts of 7 and 6 samples weigh the samples of the smaller part more than one device
-    would, and an empty part cannot train at all.
+
+def _plain_epoch_samples(node: Any) -> int | None:
+    """The samples of a plain `Dataset.batch(n)`'s input, when its cardinality is known."""
+    tf = tensorflow_if_imported()
+    source = getattr(node, "_input_dataset", None)
+    if tf is None or source is None or type(node).__name__ not in _BATCHING:
+        return None
+    if tf.get_static_value(getattr(node, "_drop_remainder", False)):
+        return None  # no partial batch
+    cardinality = int(source.cardinality())
+    return cardinality if cardinality >= 0 else None
+
+
+def training_last_batch(given: dict[str, Any], dist: Distribution) -> tuple[int, int] | None:
+    """`(last, batch_size)` of the partial last batch a `fit` call's epoch ends on, where
+    known before any step (arrays, kit datasets, a plain `Dataset.batch(n)` of known
+    length); None when the epoch ends on a full batch or the size is unknown."""
+    x = given.get("x")
+    if given.get("steps_per_epoch"):
+        return None
+    if is_array_data(x):
+        size = int(given.get("batch_size") or dist.global_batch_size)
+        samples = _num_samples(x)
+        if given.get("validation_split"):
+            samples = int(math.floor(samples * (1.0 - given["validation_split"])))
+    else:
+        info, node = _find(x, _KEEPS_EPOCH)
+        if info is not None:
+            size, samples = info.batch_size, info.epoch_samples
+        else:
+            samples = _plain_epoch_samples(node)
+            size = dataset_batch_size(node) if samples is not None else None
+            if size is None or samples is None:
+                return None
+    last = samples % size if samples >= size else samples
+    return (last, size) if last else None
+
+
+def check_training_split(given: dict[str, Any], dist: Distribution, exact: bool) -> None:
+    """Refuses, before any step, a `fit` whose last batch cannot train as on one device.
+
+    A part with no rows cannot train (a layer would compute on an empty batch, and a
+    BatchNormalization's statistics of nothing are NaN); `exact=False` (a model whose
+    `train_step` the kit does not weigh) refuses any uneven split as well: each replica's
+    loss is the mean over its own part, so the samples of a smaller part weigh more.
     """
-    info = _find(x, _KEEPS_EPOCH)[0]
-    if info is None:
+    n = dist.num_replicas
+    found = training_last_batch(given, dist) if n > 1 else None
+    if found is None:
         return
-    last = info.epoch_samples % info.batch_size
-    if last and last % dist.num_replicas:
-        raise ValueError(
-            f"fit() was given a dataset whose last batch holds {last} samples, which does not "
-            f"split evenly over {dist.num_replicas} replicas: that step would weigh its "
-            "samples unequally (or leave a replica without any), unlike one device. Build the "
-            "training dataset with drop_remainder=True (the default with shuffle=True), or "
-            f"with a number of samples whose remainder is a multiple of {dist.num_replicas}. "
-            "On the TensorFlow backend, evaluate() and predict() take a last batch of any "
-            "size. "
-            f"Received: batch_size={info.batch_size}, samples={info.epoch_samples}"
-        )
+    last, size = found
+    parts = replica_parts(last, n)
+    if min(parts) > 0 and (exact or last % n == 0):
+        return
+    problem = (
+        f"leaves a replica without any (tf.distribute splits it {parts})"
+        if min(parts) == 0
+        else f"does not split evenly over {n} replicas ({parts}), and the model's own "
+        "train_step weighs each replica's part alike, unlike one device"
+    )
+    raise ValueError(
+        f"fit() was given data whose last batch holds {last} samples, which {problem}. "
+        "Drop the last partial batch (kmk.make_dataset(..., drop_remainder=True), "
+        "Dataset.batch(..., drop_remainder=True), or fewer array rows), or use a number "
+        f"of samples whose last batch gives each of the {n} replicas at least one sample. "
+        "evaluate() and predict() take a last batch of any size. "
+        f"Received: batch_size={size}, last batch={last}, replicas={n}"
+    )
 
 
 def _check_worker_part(x: Any, dist: Distribution, method: str, argument: str) -> None:
@@ -286,7 +342,6 @@ def check_input(x: Any, dist: Distribution, method: str, argument: str = "x") ->
     _check_worker_part(x, dist, method, argument)
     if method != "fit" or argument != "x":
         return
-    _check_training_remainder(x, dist)
     size = dataset_batch_size(x)
     if size is not None and size != dist.global_batch_size:
         raise ValueError(

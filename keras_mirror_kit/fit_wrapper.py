@@ -39,6 +39,7 @@ from keras_mirror_kit.fit_inputs import (
     BatchPlan,
     check_even_batches,
     check_input,
+    check_training_split,
     dataset_cursor,
     is_array_data,
     plan_batches,
@@ -199,6 +200,8 @@ def install(model: Any, dist: Distribution) -> None:
                 given["callbacks"] = order_callbacks(given["callbacks"])
             if backend.SHARDS_EACH_BATCH:
                 check_even_batches(given, dist, _method)
+            elif _method == "fit":
+                check_training_split(given, dist, backend.trains_exactly(model))
             if _method != "fit":
                 with backend.call(model, dist.engine, _method, given):  # after the checks
                     return _original(*bound.args, **bound.kwargs)

@@ -4,7 +4,9 @@ A model returned by a decorated factory, or compiled inside `with kmk.distribute
 (`keras_mirror_kit.with_block`), is *prepared* once (`prepare_model`):
 
 * checked: a `keras.Model` whose variables and optimizer were created under the strategy
-  (a model built outside silently trains on one device in Keras 3);
+  (a model built outside silently trains on one device in Keras 3), and without stateful
+  RNN layers when there are several replicas (refused: their state follows each row of a
+  fixed batch, which no replica holds whole);
 * registered (`keras_mirror_kit.model_record`), so `kmk.distribution_of(model)` and the
   kit's callbacks find its distribution;
 * given the distribution's knobs: float32 outputs under mixed precision, synchronized
@@ -30,7 +32,13 @@ from keras_mirror_kit.model_record import record_of, register_model
 from keras_mirror_kit.precision import keep_outputs_float32
 from keras_mirror_kit.schedules import check_accumulation
 
-__all__ = ["ModelOptions", "check_model", "is_prepared", "prepare_model"]
+__all__ = [
+    "ModelOptions",
+    "check_model",
+    "check_stateful_layers",
+    "is_prepared",
+    "prepare_model",
+]
 
 logger = logging.getLogger("keras_mirror_kit")
 
@@ -51,7 +59,9 @@ def check_model(
 
     Keras 3 silently trains a model built outside the scope on one device, so: `TypeError`
     for anything but a `keras.Model`, `ValueError` when the model, one of its variables or its
-    optimizer was created outside the strategy's scope. `factory_name` and `origin` (default:
+    optimizer was created outside the strategy's scope, or when it has stateful layers
+    (`stateful=True` RNNs) and the distribution has several replicas. `factory_name` and
+    `origin` (default:
     "returned by `factory_name`") word the messages.
     """
     origin = origin or f"returned by `{factory_name}`"
@@ -61,6 +71,33 @@ def check_model(
             f"keras.Model. Received: {type(model).__name__} ({model!r:.80})"
         )
     backends.current().check_placement(model, dist.engine, origin)
+    check_stateful_layers(model, dist, origin)
+
+
+def check_stateful_layers(model: Any, dist: Distribution, origin: str) -> None:
+    """`ValueError` for a stateful RNN layer on several replicas (module docstring).
+
+    A `stateful=True` layer carries its state from batch `i` to batch `i + 1` row by row,
+    for the fixed batch size it was built with; each replica holds only its part of the
+    global batch (and another part at every step of a reshuffled pipeline), so the state
+    would neither fit nor follow its sequence.
+    """
+    if dist.num_replicas <= 1:
+        return
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = list(flatten(include_self=False)) if callable(flatten) else []
+    stateful = [layer.name for layer in layers if getattr(layer, "stateful", False) is True]
+    if stateful:
+        raise ValueError(
+            f"The model {origin} has stateful layers ({', '.join(stateful)}), which carry "
+            "each row's state from one batch to the next for the batch size they were built "
+            f"with; on {dist.num_replicas} replicas each replica holds only its part of the "
+            "global batch, so that state would neither fit nor follow its sequence. Train "
+            "it on one device (kmk.distributed(..., devices=['/gpu:0'])), or make the "
+            "layers stateless (stateful=False) and pass the state as an input "
+            "(`initial_state=`, `return_state=True`). "
+            f"Received: stateful layers={stateful}, replicas={dist.num_replicas}"
+        )
 
 
 def _apply_steps_per_execution(model: Any, steps: int | None, name: str) -> None:

@@ -435,7 +435,7 @@ CASES = [
         "training on a last batch that leaves a replica empty",
         lambda: fit(kit_model(), data=kmk.make_dataset(X[:17], Y[:17], 16, shuffle=False)),
         ValueError,
-        "does not split evenly over 2 replicas",
+        "leaves a replica without any",
         fits=True,
     ),
     Case(

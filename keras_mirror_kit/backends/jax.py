@@ -336,6 +336,12 @@ def install(model: Any) -> None:
     del model
 
 
+def trains_exactly(model: Any) -> bool:
+    """False: XLA shards a batch only in equal parts (uneven batches are refused)."""
+    del model
+    return False
+
+
 @contextlib.contextmanager
 def call(
     model: Any, engine: Engine, method: str, arguments: dict[str, Any]

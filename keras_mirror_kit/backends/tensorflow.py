@@ -43,6 +43,7 @@ from keras_mirror_kit.workarounds import (
     keras_gradient_clipping,
     keras_jit_replicas,
     keras_loss_scale,
+    keras_replica_shares,
     keras_uneven_first_batch,
     tf_data_iterator_stall,
 )
@@ -220,7 +221,9 @@ def after_prepare(model: Any, engine: Engine) -> None:
 
 
 def install(model: Any) -> None:
-    """Once per model: replica steps, no tf.data autotuning thread, uneven first batches."""
+    """Once per model: exact steps on any split, replica steps, no tf.data autotuning
+    thread, uneven first batches."""
+    keras_replica_shares.apply(model)  # first: the replica steps below wrap these steps
     replica_preprocess.install(model)  # make_dataset's preprocess on the replicas
     tf_data_iterator_stall.apply(model)  # no tf.data autotuning thread: see that module
     keras_uneven_first_batch.apply(model)  # evaluation on batches that split unevenly
@@ -234,6 +237,11 @@ def call(
     keras_jit_replicas.check(model, len(engine.devices), f"{method}()")
     with replica_preprocess.applied(model, method, arguments):
         yield
+
+
+def trains_exactly(model: Any) -> bool:
+    """Whether a training batch that splits unevenly over the replicas trains as on one."""
+    return keras_replica_shares.trains_exactly(model)
 
 
 def block_contexts() -> list[AbstractContextManager[Any]]:

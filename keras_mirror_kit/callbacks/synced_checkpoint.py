@@ -48,6 +48,7 @@ from keras_mirror_kit.checkpoint.snapshot import (
     StateSnapshot,
     take_snapshot,
 )
+from keras_mirror_kit.checkpoint.start_state import StartState
 from keras_mirror_kit.checkpoint.state import build_optimizer, state_variables
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.data import cursor_of
@@ -243,6 +244,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._cursor: DatasetCursor | None = cursor
         self._callback_list: Any = None
         self._original_callbacks: list[Any] = []
+        self._start_state: StartState | None = None  # until this fit()'s first checkpoint
         self._reset_run_state()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -335,9 +337,28 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         if self.restore:
             self._restore()
             check_workers_agree(self.model, self.last_restored, self._resume_skip, self.directory)
+        self._keep_or_return_to_start()
         if self.async_save and self._is_chief:  # one host copy of the state, for this fit
             self._staging.prepare(state_variables(self.model))
         self._preemption.start(self.model)  # save on SIGTERM (preemption.py)
+
+    def _keep_or_return_to_start(self) -> None:
+        """A fit() from scratch keeps its start state; its retry (it raised before its first
+        checkpoint) goes back to it, so that no batch is trained twice."""
+        if self.last_restored is not None:  # resumed from a checkpoint: it is the start
+            self._start_state = None
+            return
+        kept = self._start_state
+        if kept is not None and kept.belongs_to(self.model, self._fit_index):
+            kept.restore()
+            logger.info(
+                "keras-mirror-kit: this fit() raised before its first checkpoint in %s; the "
+                "model, its optimizer and random state are back at the state that fit() "
+                "started from (kept in memory), so no batch is trained twice",
+                self.directory,
+            )
+            return
+        self._start_state = StartState(self.model, self._fit_index)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if self._steps_in_fit and self._preemption.pending():  # no collective here
@@ -418,6 +439,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                 # A callback after this one stopped the fit, or EarlyStopping put its best
                 # weights back: the final state is what a rerun must find.
                 self._save(epoch=epoch, step=step, epoch_end=epoch_end, stopped=stopped)
+        self._start_state = None  # this fit() ended: none of its batches is retried
         fits = _COMPLETED_FITS.setdefault(self.model, {})
         fits[self._fits_key()] = [*self._fit_history, self._epochs()]
         self._resume_epoch = None
@@ -547,6 +569,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                 self._reported_batch_norm = True
                 log_batch_norm_gap(gap)
         self._last_save = (int(epoch), int(step), bool(epoch_end), bool(stopped))
+        self._start_state = None  # a retry resumes from this checkpoint
         if not self._is_chief:
             snapshot.release()
             return

@@ -1,0 +1,83 @@
+"""The state a `fit()` started from, kept in memory until its first checkpoint is written.
+
+A `fit()` that raises before its first checkpoint (an exception in a callback, a bad batch)
+leaves the model in memory with the steps it trained. Retried in the same process with
+the same model and `SyncedCheckpoint`, the directory holds nothing to resume from, so the
+retry would train those batches again on top of them. `StartState` is what the retry goes
+back to instead: a host copy of every variable a checkpoint holds (the model's, the
+optimizer's, the random layers' and Keras' global seed generator's), taken at
+`on_train_begin` of a `fit()` that starts from scratch and dropped once that `fit()` wrote
+a checkpoint (a retry then resumes from the checkpoint) or ended.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+
+from keras_mirror_kit import backends
+from keras_mirror_kit.checkpoint.state import state_variables
+
+__all__ = ["StartState"]
+
+
+def _global_seed_state() -> Any:
+    """Keras' global seed generator's state variable, or None (never used, or moved)."""
+    try:  # private Keras: a layout change only loses this part of the state
+        from keras.src.backend.common import global_state
+    except ImportError:
+        return None
+    generator = global_state.get_global_attribute("global_seed_generator")
+    return None if generator is None else generator.state
+
+
+class StartState:
+    """A host copy of a model's checkpointed state at the start of one `fit()`.
+
+    Args:
+        model: The model (held weakly: the copy never keeps a model alive).
+        fit_index: Which `fit()` of the script on `model` it belongs to (0 for the first).
+
+    Example:
+
+    ```python
+    kept = StartState(model, fit_index=0)  # at on_train_begin, before the first step
+    ...  # fit() raised at step 2, before any checkpoint
+    if kept.belongs_to(model, 0):
+        kept.restore()  # the model is as that fit() found it
+    ```
+    """
+
+    def __init__(self, model: Any, fit_index: int) -> None:
+        self._model = weakref.ref(model)
+        self.fit_index = int(fit_index)
+        state = backends.current()
+        self._variables = [variable for _, variable in state_variables(model)]
+        seed = _global_seed_state()
+        if seed is not None:
+            self._variables.append(seed)
+        self._values = [np.array(state.host_value(v), copy=True) for v in self._variables]
+
+    def belongs_to(self, model: Any, fit_index: int) -> bool:
+        """Whether this is the start of `fit()` number `fit_index` of this very `model`.
+
+        Args:
+            model: The model whose `fit()` starts now.
+            fit_index: That `fit()`'s number in the script.
+
+        Returns:
+            True for the same model object and `fit()` number, with the same variables.
+        """
+        return (
+            self._model() is model
+            and self.fit_index == fit_index
+            and len(state_variables(model)) + (_global_seed_state() is not None)
+            == len(self._variables)
+        )
+
+    def restore(self) -> None:
+        """Assigns every kept value back to its variable (the model as the `fit()` began)."""
+        for variable, value in zip(self._variables, self._values, strict=True):
+            variable.assign(value)

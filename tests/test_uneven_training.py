@@ -1,0 +1,347 @@
+"""N replicas train like one on every split of the data (issue: "N replicas train like one").
+
+Every case builds the same model (same weights) on 1 and on 2 replicas of this process and
+compares weights, per-epoch losses and val_loss, `evaluate` and `predict`, on data whose last
+batch tf.distribute splits unevenly (269 rows at a global batch of 64: 13 rows, split 7/6),
+for arrays, plain `tf.data` and kit datasets, with `sample_weight`, `class_weight` and a
+masked sequence loss. Evaluation and prediction of 1, 2, 3 and 77 rows run a Conv2D +
+BatchNormalization model on 3-channel images through a layer that fails if a replica ever
+computes on an empty part, so the test does not depend on the host's oneDNN having the
+empty-batch bug (`keras_replica_shares.probe_empty_conv`).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_mirror_kit as kmk
+from keras_mirror_kit.fit_inputs import replica_parts
+from keras_mirror_kit.workarounds import keras_replica_shares
+from tests.subproc import REPO, run_python
+
+ONE, TWO = ["/cpu:0"], ["/cpu:0", "/cpu:1"]
+GLOBAL = 64
+TOLERANCE = 1e-6
+
+
+def _close(a, b, what):
+    a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
+    gap = float(np.max(np.abs(a - b))) if a.size else 0.0
+    assert a.shape == b.shape and gap <= TOLERANCE, (what, gap, a, b)
+
+
+def _weights_close(one: keras.Model, two: keras.Model) -> None:
+    for a, b in zip(one.get_weights(), two.get_weights(), strict=True):
+        _close(a, b, "weights")
+    _close(one.optimizer.iterations.numpy(), two.optimizer.iterations.numpy(), "iterations")
+
+
+def _tabular(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    y = (x[:, 0] + x[:, 1] > 0).astype("int32") + (x[:, 2] > 1)
+    return x, y
+
+
+def _dnn(devices, **distributed):
+    """A DNN with a weight regularizer and an `add_loss` term (the tf-keras correctness
+    scenario "DNN with regularizers")."""
+
+    @kmk.distributed(global_batch_size=GLOBAL, devices=devices, **distributed)
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(
+            16,
+            activation="relu",
+            kernel_regularizer=keras.regularizers.L2(1e-2),
+            activity_regularizer=keras.regularizers.L1(1e-4),
+        )(inputs)
+        outputs = keras.layers.Dense(3, activation="softmax")(hidden)
+        model = keras.Model(inputs, outputs)
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss="sparse_categorical_crossentropy",
+            metrics=["accuracy"],
+            weighted_metrics=["accuracy"],
+        )
+        return model
+
+    return build()
+
+
+def _run(devices, fit_kwargs, data, eval_rows=29):
+    model = _dnn(devices)
+    history = model.fit(*data(), epochs=2, verbose=0, **fit_kwargs).history
+    x, y = _tabular(eval_rows, seed=9)
+    return model, history, model.evaluate(x, y, verbose=0), model.predict(x, verbose=0)
+
+
+def _compare(fit_kwargs, data):
+    one, two = _run(ONE, fit_kwargs, data), _run(TWO, fit_kwargs, data)
+    _weights_close(one[0], two[0])
+    assert set(one[1]) == set(two[1])
+    for key in one[1]:
+        _close(one[1][key], two[1][key], key)
+    _close(one[2], two[2], "evaluate")
+    _close(one[3], two[3], "predict")
+    return one[1]
+
+
+X, Y = _tabular(269)
+XV, YV = _tabular(29, seed=3)
+SW = np.random.default_rng(5).uniform(0.2, 2.0, 269).astype("float32")
+
+
+def _arrays():
+    return (X, Y)
+
+
+def _plain_dataset():
+    return (tf.data.Dataset.from_tensor_slices((X, Y)).batch(GLOBAL),)
+
+
+def _kit_dataset():
+    return (kmk.make_dataset(X, Y, GLOBAL, shuffle=False, drop_remainder=False),)
+
+
+def _validation_dataset():
+    return tf.data.Dataset.from_tensor_slices((XV, YV)).batch(GLOBAL)
+
+
+CASES = {
+    "arrays": (_arrays, {"shuffle": False, "validation_data": (XV, YV)}),
+    "arrays, validation as a dataset": (
+        _arrays,
+        {"shuffle": False, "validation_data": _validation_dataset},
+    ),
+    "arrays, sample_weight": (_arrays, {"shuffle": False, "sample_weight": SW}),
+    "arrays, class_weight": (_arrays, {"shuffle": False, "class_weight": {0: 0.5, 1: 2.0, 2: 1.0}}),
+    "plain tf.data": (_plain_dataset, {"validation_data": (XV, YV)}),
+    "kit dataset, last batch kept": (_kit_dataset, {"validation_data": _validation_dataset}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_replicas_train_like_one_on_an_uneven_last_batch(case):
+    data, fit_kwargs = CASES[case]
+    kwargs = {
+        k: (v() if callable(v) and k == "validation_data" else v) for k, v in fit_kwargs.items()
+    }
+    history = _compare(kwargs, data)
+    assert len(history["loss"]) == 2
+
+
+def _sequence_model(devices):
+    """Embedding with mask_zero and a per-timestep loss: the loss's denominator is the
+    replica's valid (unmasked) entries, not its rows."""
+
+    @kmk.distributed(global_batch_size=GLOBAL, devices=devices)
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential(
+            [
+                keras.Input((6,), dtype="int32"),
+                keras.layers.Embedding(20, 4, mask_zero=True),
+                keras.layers.Dense(3, activation="softmax"),
+            ]
+        )
+        model.compile(keras.optimizers.SGD(0.5), "sparse_categorical_crossentropy")
+        return model
+
+    return build()
+
+
+def test_a_masked_loss_weighs_each_replica_by_its_valid_entries():
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(1, 20, size=(269, 6)).astype("int32")
+    lengths = rng.integers(1, 7, size=269)
+    tokens[np.arange(6)[None, :] >= lengths[:, None]] = 0  # padding, masked
+    labels = tokens % 3
+    results = []
+    for devices in (ONE, TWO):
+        model = _sequence_model(devices)
+        history = model.fit(tokens, labels, epochs=2, shuffle=False, verbose=0).history
+        results.append((model, history))
+    _weights_close(results[0][0], results[1][0])
+    _close(results[0][1]["loss"], results[1][1]["loss"], "loss")
+
+
+def test_plain_keras_still_weighs_parts_unequally():
+    """The upstream behaviour the kit corrects (module `keras_replica_shares`): when this
+    fails, Keras weighs each replica by its share itself and the workaround can go."""
+    weights = []
+    for devices in (ONE, TWO):
+        strategy = tf.distribute.MirroredStrategy(devices)
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential(
+                [keras.Input((8,)), keras.layers.Dense(3, activation="softmax")]
+            )
+            model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+        model.fit(X, Y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+        weights.append(model.get_weights()[0])
+    assert np.max(np.abs(weights[0] - weights[1])) > 1e-5
+
+
+# -- parts with no rows ------------------------------------------------------------------
+
+
+class NoEmptyPart(keras.layers.Layer):
+    """Fails the step if it ever runs on a replica's part with no rows."""
+
+    def call(self, inputs):
+        check = tf.debugging.assert_positive(
+            tf.shape(inputs)[0], message="a replica computed on an empty part"
+        )
+        with tf.control_dependencies([check]):
+            return tf.identity(inputs)
+
+
+def _conv_bn(devices, weights=None):
+    @kmk.distributed(global_batch_size=16, devices=devices, sync_batch_norm=True)
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(4)
+        model = keras.Sequential(
+            [
+                keras.Input((12, 12, 3)),
+                NoEmptyPart(),
+                keras.layers.Conv2D(16, 3, strides=4, padding="same"),
+                keras.layers.BatchNormalization(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(3, activation="softmax"),
+            ]
+        )
+        model.compile(
+            keras.optimizers.SGD(0.05),
+            "sparse_categorical_crossentropy",
+            metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2)],
+        )
+        return model
+
+    model = build()
+    if weights is not None:
+        model.set_weights(weights)
+    return model
+
+
+def _images(n, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(size=(n, 12, 12, 3)).astype("float32")
+    return x, (x[:, :6].mean(axis=(1, 2, 3)) > 0.5).astype("int32")
+
+
+@pytest.fixture(scope="module")
+def conv_weights():
+    model = _conv_bn(ONE)
+    model.fit(*_images(64, seed=1), epochs=1, verbose=0)
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 77])
+def test_evaluate_and_predict_never_compute_on_an_empty_part(conv_weights, n):
+    """1 row on 2 replicas leaves one empty; 77 rows at 16 end on 13 (7/6)."""
+    one, two = _conv_bn(ONE, conv_weights), _conv_bn(TWO, conv_weights)
+    x, y = _images(n, seed=n)
+    datasets = [
+        (x, y),
+        (tf.data.Dataset.from_tensor_slices((x, y)).batch(16),),
+        (kmk.make_dataset(x, y, 16, shuffle=False),),
+    ]
+    for data in datasets:
+        _close(one.evaluate(*data, verbose=0), two.evaluate(*data, verbose=0), "evaluate")
+    for data in (x, tf.data.Dataset.from_tensor_slices(x).batch(16)):
+        expected, got = one.predict(data, verbose=0), two.predict(data, verbose=0)
+        assert got.shape == (n, 3)
+        _close(expected, got, "predict")
+
+
+def test_validation_of_one_row_during_fit_equals_one_replica(conv_weights):
+    x, y = _images(64, seed=2)
+    histories = []
+    for devices in (ONE, TWO):
+        model = _conv_bn(devices, conv_weights)
+        history = model.fit(x, y, epochs=1, validation_data=_images(1, seed=3), verbose=0)
+        histories.append(history.history)
+    for key in histories[0]:
+        _close(histories[0][key], histories[1][key], key)
+
+
+@pytest.mark.parametrize(
+    ("data", "last"),
+    [
+        (lambda: (X[:193], Y[:193]), 1),  # arrays: 3 batches of 64, then 1 row
+        (lambda: (tf.data.Dataset.from_tensor_slices((X[:65], Y[:65])).batch(GLOBAL),), 1),
+        (lambda: (kmk.make_dataset(X[:65], Y[:65], GLOBAL, drop_remainder=False),), 1),
+    ],
+)
+def test_training_on_a_part_with_no_rows_is_refused_before_any_step(data, last):
+    model = _dnn(TWO)
+    with pytest.raises(ValueError, match=rf"last batch holds {last} samples.*\[1, 0\]"):
+        model.fit(*data(), epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_replica_parts_is_how_tf_distribute_splits_a_batch():
+    strategy = tf.distribute.MirroredStrategy(TWO)
+    for samples in (1, 2, 3, 13, 33):
+        dataset = tf.data.Dataset.range(samples).batch(GLOBAL)
+        element = next(iter(strategy.experimental_distribute_dataset(dataset)))
+        parts = [int(t.shape[0]) for t in strategy.experimental_local_results(element)]
+        assert parts == replica_parts(samples, 2), samples
+    assert replica_parts(9, 4) == [3, 3, 3, 0]
+    assert replica_parts(13, 4) == [4, 4, 4, 1]
+
+
+def test_the_empty_conv_probe_reports_the_reference_kernels_right():
+    """With oneDNN off TensorFlow's reference Conv2D is right; with it on the probe says
+    whichever this host's kernels do (True on the AMD EPYC hosts of the issue)."""
+    code = (
+        "from keras_mirror_kit.workarounds.keras_replica_shares import probe_empty_conv\n"
+        "print('RESULT', probe_empty_conv())\n"
+    )
+    off = run_python(code, env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+    assert "RESULT False" in off.stdout
+    assert isinstance(keras_replica_shares.probe_empty_conv(), bool)
+
+
+@pytest.mark.slow
+def test_the_empty_part_tests_pass_with_onednn_off():
+    """The empty-part tests pass on TensorFlow's reference kernels too."""
+    tests = [
+        "tests/test_uneven_training.py::test_evaluate_and_predict_never_compute_on_an_empty_part",
+        "tests/test_uneven_evaluation.py::test_predict_returns_every_row_in_order_on_two_replicas",
+        "tests/test_uneven_evaluation.py::test_evaluate_on_two_replicas_equals_one_replica",
+    ]
+    proc = run_python(
+        "import sys, pytest\n"
+        f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-p', 'no:xdist', *{tests!r}]))",
+        env={"TF_ENABLE_ONEDNN_OPTS": "0"},
+        cwd=REPO,
+        timeout=600,
+    )
+    assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-2000:]
+
+
+# -- stateful layers -----------------------------------------------------------------------
+
+
+def test_a_stateful_rnn_on_two_replicas_is_refused_when_built():
+    def factory():
+        model = keras.Sequential(
+            [
+                keras.Input(batch_shape=(GLOBAL, 5, 3)),
+                keras.layers.LSTM(4, stateful=True),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile("adam", "mse")
+        return model
+
+    with pytest.raises(ValueError, match=r"stateful layers \(lstm.*stateful=False"):
+        kmk.distributed(global_batch_size=GLOBAL, devices=TWO)(factory)()
+    model = kmk.distributed(global_batch_size=GLOBAL, devices=ONE)(factory)()
+    model.fit(np.zeros((GLOBAL, 5, 3)), np.zeros((GLOBAL, 1)), epochs=1, verbose=0)
