@@ -1,7 +1,9 @@
 """Test bed: this pytest process has 2 logical CPU devices, configured once, and no GPU.
 
-Logical devices must be configured before TensorFlow initialises, so it happens here, at
-import, before any test module imports TensorFlow's runtime. Tests that need another layout
+Logical devices must be configured before TensorFlow initialises, so the session fixture
+`tensorflow_test_bed` does it before the first test, when a collected module imported
+TensorFlow (no test module may create a variable or run an op at import); this file itself
+imports no TensorFlow. Tests that need another layout
 (1 device, or a fresh runtime) run in a subprocess through `tests/subproc.py`.
 
 GPUs are hidden (`CUDA_VISIBLE_DEVICES=-1`, inherited by every subprocess, and
@@ -26,8 +28,45 @@ os.environ["KMK_ROOF_FILE"] = os.path.join(tempfile.mkdtemp(prefix="kmk-roof-"),
 os.environ["CUDA_VISIBLE_DEVICES"] = "-1"  # before TensorFlow loads CUDA; children inherit it
 os.environ["HIP_VISIBLE_DEVICES"] = "-1"
 
-import tensorflow as tf  # noqa: E402
+import sys  # noqa: E402
 
-tf.config.set_visible_devices([], "GPU")
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import pytest  # noqa: E402
+
+LOGICAL_CPUS = 2
+
+
+def configure_tensorflow() -> None:
+    """Hides the GPUs and splits the CPU into `LOGICAL_CPUS` logical devices (once)."""
+    import tensorflow as tf
+
+    if len(tf.config.get_logical_device_configuration(_cpu(tf)) or []) == LOGICAL_CPUS:
+        return
+    try:
+        tf.config.set_visible_devices([], "GPU")
+        tf.config.set_logical_device_configuration(
+            _cpu(tf), [tf.config.LogicalDeviceConfiguration()] * LOGICAL_CPUS
+        )
+    except RuntimeError as err:
+        raise RuntimeError(
+            "TensorFlow was initialised before the test bed could split the CPU: a test "
+            "module creates a variable or runs an op at import (make it in a fixture)"
+        ) from err
+
+
+def _cpu(tf):
+    return tf.config.list_physical_devices("CPU")[0]
+
+
+_CONFIGURED: list[bool] = []
+
+
+@pytest.fixture(autouse=True)
+def tensorflow_test_bed():
+    """The 2 logical CPU devices, before every test once a test module imported TensorFlow.
+
+    Tests that import no TensorFlow (the pure modules: validation, checkpoint metadata,
+    launch options) never load it, so they run in seconds alone.
+    """
+    if not _CONFIGURED and "tensorflow" in sys.modules:
+        configure_tensorflow()
+        _CONFIGURED.append(True)

@@ -77,6 +77,30 @@ def kit_model(**kwargs) -> keras.Model:
     return build()
 
 
+class OwnTrainStep(keras.Sequential):
+    """A model class with its own `train_step` (the kit cannot weigh what it computes)."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def own_train_step_model() -> keras.Model:
+    @kmk.distributed(per_replica_batch_size=8)
+    def build():
+        model = OwnTrainStep([keras.Input((6,)), keras.layers.Dense(2, activation="softmax")])
+        return models.compile_sgd(model)
+
+    return build()
+
+
+def stateful_rnn() -> keras.Model:
+    model = keras.Sequential(
+        [keras.Input(batch_shape=(16, 5, 3)), keras.layers.LSTM(4, stateful=True)]
+    )
+    model.compile("sgd", "mse")
+    return model
+
+
 def plain_model() -> keras.Model:
     return models.compile_sgd(models.sequential())
 
@@ -437,6 +461,19 @@ CASES = [
         ValueError,
         "leaves a replica without any",
         fits=True,
+    ),
+    Case(
+        "training a model with its own train_step on a last batch that splits unevenly",
+        lambda: fit(own_train_step_model(), data=(X[:29], Y[:29])),
+        ValueError,
+        "does not split evenly over 2 replicas ([7, 6])",
+        fits=True,
+    ),
+    Case(
+        "a stateful RNN on several replicas",
+        lambda: factory_returning(stateful_rnn)(),
+        ValueError,
+        "has stateful layers",
     ),
     Case(
         "ThroughputMonitor on a non-kit model without a batch size",

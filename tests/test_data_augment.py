@@ -36,7 +36,13 @@ def keras_random(batch):
     return tf.cast(batch, "float32") + noise + keras.random.uniform([], seed=None)
 
 
-keras_random.generator = keras.random.SeedGenerator(3)
+keras_random.generator = None  # a variable: made by the fixture below, not at import
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _keras_random_generator():
+    """One generator for the module, made once TensorFlow's devices are configured."""
+    keras_random.generator = keras.random.SeedGenerator(3)
 
 
 def stateless(batch, seed):

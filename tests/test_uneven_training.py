@@ -119,7 +119,10 @@ CASES = {
         {"shuffle": False, "validation_data": _validation_dataset},
     ),
     "arrays, sample_weight": (_arrays, {"shuffle": False, "sample_weight": SW}),
-    "arrays, class_weight": (_arrays, {"shuffle": False, "class_weight": {0: 0.5, 1: 2.0, 2: 1.0}}),
+    "arrays, class_weight": (
+        _arrays,
+        {"shuffle": False, "class_weight": {0: 0.5, 1: 2.0, 2: 1.0}},
+    ),
     "plain tf.data": (_plain_dataset, {"validation_data": (XV, YV)}),
     "kit dataset, last batch kept": (_kit_dataset, {"validation_data": _validation_dataset}),
 }
@@ -175,7 +178,11 @@ def test_plain_keras_still_weighs_parts_unequally():
     fails, Keras weighs each replica by its share itself and the workaround can go."""
     weights = []
     for devices in (ONE, TWO):
-        strategy = tf.distribute.MirroredStrategy(devices)
+        # Reduced on one device: TensorFlow's collectives of another strategy in this
+        # process would clash with those of the kit's strategies.
+        strategy = tf.distribute.MirroredStrategy(
+            devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+        )
         with strategy.scope():
             keras.utils.set_random_seed(1)
             model = keras.Sequential(
@@ -259,6 +266,53 @@ def test_evaluate_and_predict_never_compute_on_an_empty_part(conv_weights, n):
         _close(expected, got, "predict")
 
 
+def test_a_cnn_with_synchronized_batch_norm_trains_like_one_replica_on_a_7_6_split(conv_weights):
+    """77 images at a global batch of 16: the last batch of 13 is split 7/6; synchronized
+    BatchNormalization computes the statistics of the whole batch."""
+    x, y = _images(77, seed=5)
+    results = []
+    for devices in (ONE, TWO):
+        model = _conv_bn(devices, conv_weights)
+        history = model.fit(x, y, epochs=2, shuffle=False, verbose=0).history
+        results.append((model, history))
+    _weights_close(results[0][0], results[1][0])
+    for key in results[0][1]:
+        _close(results[0][1][key], results[1][1][key], key)
+
+
+def _gru(devices):
+    @kmk.distributed(global_batch_size=GLOBAL, devices=devices)
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(6)
+        model = keras.Sequential(
+            [
+                keras.Input((5,), dtype="int32"),
+                keras.layers.Embedding(30, 4),
+                keras.layers.GRU(6),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile(keras.optimizers.Adam(0.01), "mse", metrics=["mae"])
+        return model
+
+    return build()
+
+
+def test_an_embedding_and_gru_regression_trains_like_one_replica_on_a_7_6_split():
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(0, 30, size=(269, 5)).astype("int32")
+    target = (tokens.sum(axis=1, keepdims=True) / 75.0).astype("float32")
+    results = []
+    for devices in (ONE, TWO):
+        model = _gru(devices)
+        history = model.fit(tokens, target, epochs=2, shuffle=False, verbose=0).history
+        results.append((model, history, model.predict(tokens[:3], verbose=0)))
+    _weights_close(results[0][0], results[1][0])
+    for key in results[0][1]:
+        _close(results[0][1][key], results[1][1][key], key)
+    _close(results[0][2], results[1][2], "predict")
+
+
 def test_validation_of_one_row_during_fit_equals_one_replica(conv_weights):
     x, y = _images(64, seed=2)
     histories = []
@@ -283,6 +337,17 @@ def test_training_on_a_part_with_no_rows_is_refused_before_any_step(data, last):
     with pytest.raises(ValueError, match=rf"last batch holds {last} samples.*\[1, 0\]"):
         model.fit(*data(), epochs=1, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_a_pipeline_of_unknown_length_reaching_an_empty_part_stops_with_the_kits_message():
+    """`filter` hides the length, so nothing is refused before the first step; the step
+    that would leave a replica without rows fails with the kit's message instead."""
+    model = _dnn(TWO)
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((X[:65], Y[:65])).filter(lambda x, y: True).batch(64)
+    )
+    with pytest.raises(tf.errors.InvalidArgumentError, match="a replica received no samples"):
+        model.fit(dataset, epochs=1, verbose=0)
 
 
 def test_replica_parts_is_how_tf_distribute_splits_a_batch():

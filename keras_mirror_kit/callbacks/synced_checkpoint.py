@@ -19,7 +19,7 @@ import numpy as np
 
 from keras_mirror_kit import backends
 from keras_mirror_kit.callbacks.keras_loop import find_callback_list, steps_done
-from keras_mirror_kit.checkpoint.best import BestKeeper
+from keras_mirror_kit.checkpoint.best import BestKeeper, metric_direction
 from keras_mirror_kit.checkpoint.callback_state import (
     apply_callback_states,
     best_weights_restored,
@@ -331,7 +331,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                 )
         check_whole_epochs(self._cursor, self.params.get("steps") if self.params else None)
         build_optimizer(self.model)
-        self._best.begin(lambda name: _metric_direction(self.model, name))
+        self._best.begin(lambda name: metric_direction(self.model, name))
         # The architecture, for export outside fit (keras-mirror-kit ckpt export).
         self._model_config = model_config(self.model) if self._is_chief else None
         if self.restore:
@@ -693,25 +693,3 @@ def _place(
         hook.set_model(owner.model)
     callback_list.callbacks = [head, *callbacks, tail]
     return tracked, callbacks_before
-
-
-def _metric_direction(model: Any, name: str) -> str | None:
-    """`"min"`/`"max"` of a metric of `model` named `name` (built or given to compile)."""
-    candidates: list[Any] = []
-    for metric in getattr(model, "metrics", None) or []:
-        candidates.append(metric)
-        candidates.extend(getattr(metric, "metrics", None) or [])
-    compiled = getattr(model, "_compile_metrics", None)
-    pending = list(getattr(compiled, "_user_metrics", None) or [])
-    while pending:  # metric objects given to compile(), before Keras builds them
-        item = pending.pop()
-        if isinstance(item, Mapping):
-            pending.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            pending.extend(item)
-        else:
-            candidates.append(item)
-    for metric in candidates:
-        if getattr(metric, "name", None) == name and hasattr(metric, "_direction"):
-            return "max" if metric._direction == "up" else "min"  # noqa: SLF001
-    return None

@@ -20,7 +20,7 @@ import numpy as np
 from keras_mirror_kit.checkpoint.meta import ManifestEntry, Score
 from keras_mirror_kit.validation import non_empty_str, non_negative_int, one_of
 
-__all__ = ["BestKeeper", "best_entries", "check_best_args"]
+__all__ = ["BestKeeper", "best_entries", "check_best_args", "metric_direction"]
 
 logger = logging.getLogger("keras_mirror_kit")
 
@@ -135,3 +135,40 @@ def _scalar(value: Any) -> float | None:
         return None
     array = np.asarray(value)
     return float(array) if array.ndim == 0 and array.dtype.kind in "fiu" else None
+
+
+def metric_direction(model: Any, name: str) -> str | None:
+    """The direction of a model's metric, for `mode="auto"` (built or given to compile).
+
+    Args:
+        model: A compiled Keras model (duck-typed: its `metrics` and compiled metrics).
+        name: The metric's name, as in `logs` without `val_`.
+
+    Returns:
+        `"max"` for a metric Keras says goes up (accuracy), `"min"` for one that goes
+        down, None when no metric of that name says.
+
+    Example:
+
+    ```python
+    metric_direction(model, "accuracy")  # "max"
+    ```
+    """
+    candidates: list[Any] = []
+    for metric in getattr(model, "metrics", None) or []:
+        candidates.append(metric)
+        candidates.extend(getattr(metric, "metrics", None) or [])
+    compiled = getattr(model, "_compile_metrics", None)
+    pending = list(getattr(compiled, "_user_metrics", None) or [])
+    while pending:  # metric objects given to compile(), before Keras builds them
+        item = pending.pop()
+        if isinstance(item, Mapping):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+        else:
+            candidates.append(item)
+    for metric in candidates:
+        if getattr(metric, "name", None) == name and hasattr(metric, "_direction"):
+            return "max" if metric._direction == "up" else "min"  # noqa: SLF001
+    return None

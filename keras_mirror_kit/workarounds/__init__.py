@@ -14,6 +14,13 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
   the symbolic build averages the replicas' parts. Upstream: keras-team/keras#19246. Remove
   when `tests/test_uneven_evaluation.py::test_plain_keras_still_fails_on_an_uneven_first_batch`
   fails.
+* `keras_replica_shares`: a batch that tf.distribute splits unevenly (13 samples: 7/6)
+  trains other weights than one device, since each replica's mean loss is divided by the
+  number of replicas; and a replica with no rows computes on an empty batch (a wrong shape
+  from oneDNN's CPU Conv2D). Each replica's loss is weighted by its share; evaluation and
+  prediction never compute on an empty part. Upstream: the scaling of keras-team/keras#20609.
+  Remove when `tests/test_uneven_training.py::test_plain_keras_still_weighs_parts_unequally`
+  fails and `probe_empty_conv()` is False.
 * `keras_jit_replicas`: `jit_compile=True` fails at the first step with several replicas
   in one process; refused at `compile()`. Upstream: keras-team/keras#19005. Remove when
   `tests/test_jit_compile.py::test_plain_keras_jit_still_fails_on_two_replicas` fails.

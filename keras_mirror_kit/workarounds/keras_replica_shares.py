@@ -62,7 +62,8 @@ __all__ = [
 UPSTREAM = "keras-team/keras#20609"
 #: Keras versions the workaround was tested on: `low <= version < high`.
 TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
-_APPLIED: weakref.WeakSet[Any] = weakref.WeakSet()  # models `apply` gave the steps
+# The models `apply` ran on, and the steps it replaced on each.
+_APPLIED: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 _UNWEIGHTED = (None, "none", "sum")  # reductions whose per-replica values simply add up
 
 
@@ -97,9 +98,11 @@ def _replicated() -> tf.distribute.ReplicaContext | None:
 
 
 def _keras_step(model: Any, name: str) -> bool:
-    """Whether the model's class keeps Keras' own `name` (not overridden)."""
+    """Whether the model keeps Keras' own `name` (not overridden by its class or instance)."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
+    if name in vars(model):
+        return False  # set on the instance before the kit prepared the model
     return getattr(type(model), name, None) is getattr(TensorFlowTrainer, name)
 
 
@@ -119,7 +122,10 @@ def is_applied(model: Any) -> bool:
 
 def trains_exactly(model: Any) -> bool:
     """Whether a training batch split unevenly over the replicas trains as on one device."""
-    return is_applied(model) and _keras_step(model, "train_step")
+    try:
+        return "train_step" in _APPLIED.get(model, ())
+    except TypeError:
+        return False
 
 
 class _Step:
@@ -237,19 +243,18 @@ def _train_step(model: Any, state: _State, original: Any) -> Any:
             return original(data)
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         rows = _rows(x)
-        checks = [
-            tf.debugging.assert_positive(
-                rows,
-                message=(
-                    "keras-mirror-kit: a replica received no samples of this training "
-                    "batch (its last batch is smaller than the replicas can share). Drop "
-                    "the last partial batch (Dataset.batch(..., drop_remainder=True), "
-                    "kmk.make_dataset(..., drop_remainder=True)) or pass steps_per_epoch."
-                ),
-            )
-        ]
-        with tf.control_dependencies(checks):
-            step = _Step(ctx, rows)
+        # Run by the function's automatic control dependencies; no barrier before the
+        # all-reduce below, which overlaps the forward pass.
+        tf.debugging.assert_positive(
+            rows,
+            message=(
+                "keras-mirror-kit: a replica received no samples of this training batch "
+                "(its last batch is smaller than the replicas can share). Drop the last "
+                "partial batch (Dataset.batch(..., drop_remainder=True), "
+                "kmk.make_dataset(..., drop_remainder=True)) or pass steps_per_epoch."
+            ),
+        )
+        step = _Step(ctx, rows)
         _share_compiled_losses(model, state)
         with tf.GradientTape() as tape:
             if model._call_has_training_arg:  # noqa: SLF001
@@ -331,11 +336,13 @@ def apply(model: Any) -> bool:
     if not keras_version_in(TESTED_KERAS):
         return False
     state = _State()
-    if _keras_step(model, "train_step"):
-        object.__setattr__(model, "train_step", _train_step(model, state, model.train_step))
-    if _keras_step(model, "test_step"):
-        object.__setattr__(model, "test_step", _test_step(model, model.test_step))
-    if _keras_step(model, "predict_step"):
-        object.__setattr__(model, "predict_step", _predict_step(model.predict_step))
-    _APPLIED.add(model)
+    makers = {
+        "train_step": lambda step: _train_step(model, state, step),
+        "test_step": lambda step: _test_step(model, step),
+        "predict_step": _predict_step,
+    }
+    replaced = [name for name in makers if _keras_step(model, name)]
+    for name in replaced:
+        object.__setattr__(model, name, makers[name](getattr(model, name)))
+    _APPLIED[model] = frozenset(replaced)
     return True
