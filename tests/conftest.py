@@ -57,16 +57,13 @@ def _cpu(tf):
     return tf.config.list_physical_devices("CPU")[0]
 
 
-_CONFIGURED: list[bool] = []
-
-
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def tensorflow_test_bed():
-    """The 2 logical CPU devices, before every test once a test module imported TensorFlow.
+    """The 2 logical CPU devices, before the first test, when a collected test module
+    imported TensorFlow (session scope: before any module- or class-scoped fixture).
 
     Tests that import no TensorFlow (the pure modules: validation, checkpoint metadata,
     launch options) never load it, so they run in seconds alone.
     """
-    if not _CONFIGURED and "tensorflow" in sys.modules:
+    if "tensorflow" in sys.modules:
         configure_tensorflow()
-        _CONFIGURED.append(True)

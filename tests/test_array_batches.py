@@ -37,6 +37,7 @@ def samples_per_step(monitor: kmk.ThroughputMonitor) -> float:
     return figures["samples_per_sec"] / figures["steps_per_sec"]
 
 
+@pytest.mark.slow
 def test_arrays_without_batch_size_train_at_the_global_batch_size(model):
     monitor = kmk.ThroughputMonitor(warmup_steps=0)
     model.fit(X, Y, epochs=1, verbose=0, callbacks=[monitor])
@@ -48,6 +49,7 @@ def test_arrays_without_batch_size_train_at_the_global_batch_size(model):
     assert len(model.predict(X[:200], verbose=0)) == 200
 
 
+@pytest.mark.slow
 def test_a_batch_size_given_with_arrays_is_honoured_and_counted(model):
     monitor = kmk.ThroughputMonitor(warmup_steps=0)
     model.fit(X, Y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
@@ -56,6 +58,7 @@ def test_a_batch_size_given_with_arrays_is_honoured_and_counted(model):
     assert monitor.summary()["global_batch_size"] == 32
 
 
+@pytest.mark.slow
 def test_a_smaller_last_array_batch_is_counted_exactly(model):
     monitor = kmk.ThroughputMonitor(warmup_steps=0)
     model.fit(X[:194], Y[:194], epochs=2, verbose=0, callbacks=[monitor])  # 64, 64, 64, 2
@@ -65,6 +68,7 @@ def test_a_smaller_last_array_batch_is_counted_exactly(model):
     assert summary["samples_per_sec"] / summary["steps_per_sec"] == pytest.approx(194 / 4)
 
 
+@pytest.mark.slow
 def test_validation_split_is_taken_out_before_counting(model):
     monitor = kmk.ThroughputMonitor(warmup_steps=0)
     # Keras trains on floor(330 * 0.8) = 264 samples: 4 batches of 64 and one of 8.
@@ -95,6 +99,7 @@ def test_array_likes_train_at_the_global_batch_size_too(model):
     assert samples_per_step(monitor) == pytest.approx(64)
 
 
+@pytest.mark.slow
 def test_a_generator_batch_is_assumed_with_a_warning(model, caplog):
     def batches():
         for start in range(0, 640, 64):
@@ -106,6 +111,7 @@ def test_a_generator_batch_is_assumed_with_a_warning(model, caplog):
     assert any("cannot be read" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_a_make_dataset_last_partial_batch_is_counted_exactly(model):
     data = kmk.make_dataset(X[:194], Y[:194], 64, seed=0, drop_remainder=False)
     monitor = kmk.ThroughputMonitor(warmup_steps=0)

@@ -42,6 +42,7 @@ def _arrays(store: CheckpointStore, entry):
     return loaded.meta, [loaded.arrays[k] for k in sorted(loaded.arrays)]
 
 
+@pytest.mark.slow
 def test_background_writes_hold_the_state_of_their_step_while_training_goes_on(
     tmp_path, monkeypatch
 ):
@@ -117,6 +118,7 @@ class BreakManifest(keras.callbacks.Callback):
             self._break()
 
 
+@pytest.mark.slow
 def test_a_failed_background_write_is_raised_at_a_following_step(tmp_path):
     model, ds = build("sgd"), dataset()
     checkpoint = SyncedCheckpoint(tmp_path, save_freq=2, dataset=ds, async_save=True)
@@ -134,6 +136,7 @@ def test_a_failed_background_write_is_raised_at_a_following_step(tmp_path):
     assert (tmp_path / "ckpt-00000001.npz").exists()
 
 
+@pytest.mark.slow
 def test_a_failed_last_background_write_is_raised_at_the_end_of_fit(tmp_path):
     model, ds = build("sgd"), dataset()
     checkpoint = SyncedCheckpoint(tmp_path, dataset=ds, async_save=True)
@@ -175,6 +178,7 @@ def test_the_writer_thread_yields_the_cpu_to_training():
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
 
 
+@pytest.mark.slow
 def test_snapshots_are_copied_into_staging_arrays_allocated_once_per_fit(tmp_path):
     """One host copy of the state, allocated at the start of fit, reused by every save (no
     fresh memory at a save), freed when fit returns; each file holds its own step's state."""

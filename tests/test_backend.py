@@ -8,6 +8,8 @@ import pytest
 
 from tests.subproc import last_json, run_python
 
+pytestmark = pytest.mark.slow  # every test here starts children or trains for long
+
 CODE = """
 import json, keras, keras_mirror_kit as kmk
 errors = []

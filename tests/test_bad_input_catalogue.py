@@ -765,6 +765,7 @@ def check_in_child(case: ChildCase, tmp_path: Path) -> None:
     assert report["steps"] == 0 and report["iterations"] == 0, report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_misuse_raises_the_kits_error_before_any_training_step(case, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -805,6 +806,7 @@ def test_the_in_process_check_fails_on_an_error_after_a_step(tmp_path):
         check_in_process(early, tmp_path)
 
 
+@pytest.mark.slow
 def test_the_child_harness_reports_the_type_message_and_steps(tmp_path):
     # A control for `check_in_child`: a fit that trains one step and then raises is seen.
     code = """

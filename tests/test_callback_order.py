@@ -39,6 +39,7 @@ def kit_model():
     return build(), build.distribution
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["decorator", "with"])
 def test_loggers_listed_before_the_monitor_record_its_figures(tmp_path, form):
     pytest.importorskip("tensorboard", reason="needs keras-mirror-kit[tensorboard]")

@@ -24,6 +24,8 @@ import pytest
 
 from tests.subproc import REPO, last_json
 
+pytestmark = pytest.mark.slow  # every test here starts children or trains for long
+
 EPOCHS = 3  # 6 batches each, 18 optimizer steps; save every 4 batches
 
 

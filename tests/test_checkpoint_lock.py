@@ -53,6 +53,7 @@ class LockSeen(keras.callbacks.Callback):
             raise RuntimeError("failure inside fit")
 
 
+@pytest.mark.slow
 def test_a_second_process_is_refused_and_a_killed_ones_lock_is_taken_over(tmp_path):
     directory, marker = tmp_path / "ckpt", tmp_path / "marker"
     env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -88,6 +89,7 @@ def test_a_second_process_is_refused_and_a_killed_ones_lock_is_taken_over(tmp_pa
     assert (directory / "manifest.json").exists()
 
 
+@pytest.mark.slow
 def test_the_lock_is_released_when_fit_raises_and_a_rerun_proceeds(tmp_path):
     model, ds = build("adam"), dataset()
     seen = LockSeen(tmp_path, raise_at=2)

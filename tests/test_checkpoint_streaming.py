@@ -111,6 +111,7 @@ def test_a_save_and_a_restore_hold_about_one_array_not_the_state(tmp_path):
     assert store.read(entry).meta.epoch == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_save_of_the_callback_copies_one_variable_at_a_time_to_the_host(tmp_path, async_save):
     @kmk.distributed(global_batch_size=16)
@@ -176,6 +177,7 @@ def test_the_replica_check_brings_only_scalars_to_the_host():
         check_replicas(model, named, atol=1e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("written_by", sorted(OLD_FILES))
 def test_checkpoints_written_by_earlier_versions_resume_exactly(tmp_path, written_by):
     """tests/data/ckpt-v0.1.0 was written by keras-mirror-kit 0.1.0 (commit 7cdaa18: the

@@ -11,6 +11,8 @@ import tensorflow as tf
 
 import keras_mirror_kit as kmk
 
+pytestmark = pytest.mark.slow  # every test here starts children or trains for long
+
 N, BATCH = 48, 8
 
 

@@ -13,6 +13,8 @@ import pytest
 
 from tests.data_kill_trials import check_trial, kill_points, run_trials
 
+pytestmark = pytest.mark.slow  # every test here starts children or trains for long
+
 SEED = 20261202
 
 

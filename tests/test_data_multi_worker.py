@@ -54,6 +54,7 @@ def _weights(path):
         return [npz[k] for k in sorted(npz.files, key=lambda k: int(k.split("_")[1]))]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_workers_decode_disjoint_parts_and_train_like_one_process(tmp_path):
     data = data_files.image_folder(tmp_path / "data", per_class=16, sizes=(10, 18))

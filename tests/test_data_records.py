@@ -37,6 +37,7 @@ def test_the_record_index_counts_from_the_length_headers(shards, tmp_path):
         kmk.tfrecord_dataset(str(tmp_path / "none-*.tfrecord"), image_and_index, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [4, 64])
 def test_a_shuffle_permutes_shards_and_windows_every_epoch(shards, window):
     ds = kmk.tfrecord_dataset(
@@ -72,6 +73,7 @@ def one_thread(dataset):
     return dataset.with_options(options)
 
 
+@pytest.mark.slow
 def test_a_resume_parses_nothing_before_its_first_record(shards):
     parsed: list[int] = []
 

@@ -69,6 +69,7 @@ def test_image_folder_gives_keras_files_classes_labels_and_pixels(images, kwargs
     assert len(ours) == len(kit_ds.file_paths) and ours == theirs
 
 
+@pytest.mark.slow
 def test_text_folder_and_subset_both_match_keras(tmp_path):
     root = data_files.text_folder(tmp_path)
     common = dict(batch_size=4, seed=3, validation_split=0.3, subset="both", verbose=False)
@@ -214,6 +215,7 @@ def augment():
     )
 
 
+@pytest.mark.slow
 def test_a_folder_job_without_a_seed_resumes_in_its_own_order(images, tmp_path):
     """No seed: files indexed in sorted order, the drawn seed saved and adopted on resume.
 

@@ -29,6 +29,7 @@ def test_empty_splits() -> None:
     assert x_test.dtype == np.uint8 and y_train.dtype == np.uint8
 
 
+@pytest.mark.slow
 def test_default_sizes_are_cifar_sizes() -> None:
     # How fast: benchmarks/synthetic_generation.py (a figure of the machine, not a test).
     (x_train, y_train), (x_test, y_test) = make_synthetic_cifar10()
@@ -119,6 +120,7 @@ def test_invalid_arguments(kwargs: dict[str, object], error: type[Exception]) ->
         make_synthetic_cifar10(**kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_tutorial_cnn_learns_it() -> None:
     keras = pytest.importorskip("keras")
     (x_train, y_train), (x_test, y_test) = make_synthetic_cifar10(4000, 1000, seed=0)

@@ -15,12 +15,14 @@ print("RESULT " + json.dumps({"replicas": dist.num_replicas, "devices": list(dis
 """
 
 
+@pytest.mark.slow
 def test_no_gpu_and_nothing_configured_gives_one_cpu_replica():
     result = last_json(run_python(REPORT))
     assert result["replicas"] == 1 and result["global"] == 8
     assert result["devices"][0].endswith("CPU:0")
 
 
+@pytest.mark.slow
 def test_environment_variable_simulates_replicas():
     result = last_json(run_python(REPORT, replicas=3))
     assert result["replicas"] == 3 and result["global"] == 24
@@ -28,12 +30,14 @@ def test_environment_variable_simulates_replicas():
     assert result["ops"] == "reduction_to_one_device"
 
 
+@pytest.mark.slow
 def test_simulate_replicas_before_tensorflow_starts_and_is_idempotent():
     code = "import keras_mirror_kit as kmk\nkmk.simulate_replicas(2)\nkmk.simulate_replicas(2)\n"
     code += REPORT
     assert last_json(run_python(code))["replicas"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["call", "env"])
 def test_simulating_after_tensorflow_started_is_a_clear_error(how):
     code = "import tensorflow as tf, keras_mirror_kit as kmk\n"
@@ -47,6 +51,7 @@ def test_simulating_after_tensorflow_started_is_a_clear_error(how):
     assert "KMK_SIMULATE_REPLICAS=2" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["two", "0", "-1"])
 def test_bad_environment_variable_is_a_clear_error(value):
     proc = run_python(REPORT, check=False, env={"KMK_SIMULATE_REPLICAS": value})
@@ -54,6 +59,7 @@ def test_bad_environment_variable_is_a_clear_error(value):
     assert f"KMK_SIMULATE_REPLICAS={value!r}" in proc.stderr
 
 
+@pytest.mark.slow
 def test_bad_simulate_replicas_arguments():
     code = """
     import keras_mirror_kit as kmk
@@ -135,6 +141,7 @@ def test_simulate_replicas_on_a_gpu_host_gives_exactly_n_replicas(monkeypatch, g
     assert len(replica_devices()) == n
 
 
+@pytest.mark.slow
 def test_the_test_process_and_its_children_see_no_gpu():
     """The suite hides GPUs (tests/conftest.py), so CPU-only assertions hold on GPU hosts."""
     import os

@@ -16,6 +16,7 @@ X = np.random.default_rng(0).normal(size=(64, 6)).astype("float32")
 Y = (X[:, 0] > 0).astype("int32") + (X[:, 1] > 0).astype("int32")
 
 
+@pytest.mark.slow
 def test_decorator_builds_under_the_strategy_and_exposes_distribution():
     seen = {}
 
@@ -77,6 +78,7 @@ def test_nesting_the_same_distribution_works_and_another_is_a_clear_error():
         assert kmk.current() is d_outer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["sequential", "functional", "subclassed", "subclassed_lazy"])
 def test_every_model_flavour_trains_through_the_decorator(flavour):
     @kmk.distributed(per_replica_batch_size=8)
@@ -124,6 +126,7 @@ def test_info_log_line_says_what_was_chosen(caplog):
         assert fragment in line
 
 
+@pytest.mark.slow
 def test_uncompiled_model_compiles_later_inside_the_scope():
     @kmk.distributed(per_replica_batch_size=8)
     def build():

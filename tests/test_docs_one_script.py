@@ -43,6 +43,7 @@ def test_the_section_shows_both_commands() -> None:
 @pytest.mark.parametrize(
     ("backend", "strategy"), [("tensorflow", "MirroredStrategy"), ("jax", "DataParallel")]
 )
+@pytest.mark.slow
 def test_the_script_runs_unchanged_on_each_backend(
     tmp_path: Path, backend: str, strategy: str
 ) -> None:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+
 from keras_mirror_kit.cli import doctor
 from tests import network_modes as modes
 from tests.subproc import REPO
@@ -33,6 +35,7 @@ def _by_name(report: dict) -> dict[str, list[dict]]:
     return checks
 
 
+@pytest.mark.slow
 def test_doctor_passes_here_with_its_self_test() -> None:
     proc = _doctor("--json", env={"NCCL_DEBUG": "WARN"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -62,6 +65,7 @@ def test_doctor_passes_here_with_its_self_test() -> None:
     assert isolation["status"] == ("ok" if probe.available else "warn"), isolation
 
 
+@pytest.mark.slow
 def test_doctor_passes_on_jax_with_its_self_test_there() -> None:
     """JAX's devices, what distributed() picks there, and the self-test run on JAX."""
     proc = _doctor("--json", env={"KERAS_BACKEND": "jax"})
@@ -85,6 +89,7 @@ def test_doctor_passes_on_jax_with_its_self_test_there() -> None:
     assert checks["self-test"][0]["status"] == checks["all-reduce"][0]["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_doctor_fails_on_a_backend_the_kit_does_not_distribute_on() -> None:
     proc = _doctor("--no-self-test", env={"KERAS_BACKEND": "numpy"})  # the table
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
@@ -94,6 +99,7 @@ def test_doctor_fails_on_a_backend_the_kit_does_not_distribute_on() -> None:
     assert "check(s) failed: backend" in proc.stdout
 
 
+@pytest.mark.slow
 def test_doctor_fails_on_a_bad_tf_config() -> None:
     """Also, on a host that refuses namespaces (simulated), isolation is a warning."""
     env = {"TF_CONFIG": '{"cluster": ', "KMK_LAUNCH_TEST_NAMESPACES": "refuse"}
@@ -125,6 +131,7 @@ def test_supported_versions_are_the_package_requirements() -> None:
     assert bounds(requirements["keras"]) == doctor.SUPPORTED_KERAS
 
 
+@pytest.mark.slow
 def test_doctor_model_refuses_clearly_on_jax(tmp_path) -> None:
     """kmk.check_replicas simulates TensorFlow replicas: on JAX it says so, before any run."""
     (tmp_path / "train.py").write_text(

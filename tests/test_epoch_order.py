@@ -57,12 +57,14 @@ def test_orders_differ_between_epochs_so_the_cases_below_can_fail():
     assert order() == first
 
 
+@pytest.mark.slow
 def test_a_synced_checkpoint_does_not_change_what_trains(reference, tmp_path):
     model, ds = _model(), _dataset()
     model.fit(ds, epochs=2, verbose=0, callbacks=[kmk.SyncedCheckpoint(tmp_path, dataset=ds)])
     assert max_diff(model.get_weights(), reference) <= 1e-6
 
 
+@pytest.mark.slow
 def test_a_peek_at_the_dataset_before_fit_does_not_change_what_trains(reference):
     model, ds = _model(), _dataset()
     next(iter(ds))
@@ -70,6 +72,7 @@ def test_a_peek_at_the_dataset_before_fit_does_not_change_what_trains(reference)
     assert max_diff(model.get_weights(), reference) <= 1e-6
 
 
+@pytest.mark.slow
 def test_an_evaluate_between_two_fits_does_not_change_what_trains(reference):
     model, ds = _model(), _dataset()
     model.fit(ds, epochs=1, verbose=0)
@@ -78,6 +81,7 @@ def test_an_evaluate_between_two_fits_does_not_change_what_trains(reference):
     assert max_diff(model.get_weights(), reference) <= 1e-6
 
 
+@pytest.mark.slow
 def test_fit_of_a_kit_dataset_prints_no_shuffle_warning(recwarn):
     model, ds = _model(), _dataset()
     model.fit(ds, epochs=1, verbose=0)

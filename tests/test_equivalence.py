@@ -8,6 +8,8 @@ import pytest
 
 import keras_mirror_kit as kmk
 
+pytestmark = pytest.mark.slow  # every test here starts children or trains for long
+
 GLOBAL_BATCH = 128
 STEPS = 20
 

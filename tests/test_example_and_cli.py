@@ -76,6 +76,7 @@ def synthetic_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "SYNTHETIC" in line]
 
 
+@pytest.mark.slow
 def test_example_auto_falls_back_loudly_when_the_download_fails_and_saves(tmp_path):
     args = [
         EXAMPLE,
@@ -130,6 +131,7 @@ def test_example_auto_falls_back_loudly_when_the_download_fails_and_saves(tmp_pa
     )
 
 
+@pytest.mark.slow
 def test_example_auto_falls_back_loudly_behind_a_captive_portal(tmp_path):
     served = Served(CAPTIVE_PORTAL.body, content_type=CAPTIVE_PORTAL.content_type)
     with serve(served) as url:
@@ -159,6 +161,7 @@ def test_example_auto_falls_back_loudly_behind_a_captive_portal(tmp_path):
     assert snapshot(tmp_path / "keras_home" / "datasets") == {}  # the page was not kept
 
 
+@pytest.mark.slow
 def test_example_cifar10_mode_refuses_a_captive_portal_page(tmp_path):
     served = Served(CAPTIVE_PORTAL.body, content_type=CAPTIVE_PORTAL.content_type)
     with serve(served) as url:
@@ -174,6 +177,7 @@ def test_example_cifar10_mode_refuses_a_captive_portal_page(tmp_path):
     assert snapshot(tmp_path / "keras_home" / "datasets") == {}
 
 
+@pytest.mark.slow
 def test_example_auto_never_papers_over_a_bad_local_copy(tmp_path):
     cached = tmp_path / "keras_home" / "datasets" / "cifar-10-python.tar.gz"
     cached.parent.mkdir(parents=True)
@@ -188,6 +192,7 @@ def test_example_auto_never_papers_over_a_bad_local_copy(tmp_path):
     assert cached.read_bytes() == b"a half-finished download"
 
 
+@pytest.mark.slow
 def test_example_refuses_to_stand_in_synthetic_for_real_data(tmp_path):
     proc = run([EXAMPLE, "--data", "cifar10", "--data-dir", str(tmp_path / "nothing")], tmp_path)
     assert proc.returncode != 0
@@ -195,6 +200,7 @@ def test_example_refuses_to_stand_in_synthetic_for_real_data(tmp_path):
     assert "SYNTHETIC" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_example_reads_real_format_cifar10_from_data_dir(tmp_path):
     import numpy as np
 
@@ -222,6 +228,7 @@ def test_example_reads_real_format_cifar10_from_data_dir(tmp_path):
     assert np.isfinite(float(proc.stdout.split("(loss ")[1].split(")")[0]))
 
 
+@pytest.mark.slow
 def test_cli_info_reports_versions_devices_and_choice(tmp_path):
     proc = run(
         ["-m", "keras_mirror_kit.cli", "info", "--json"],
@@ -245,6 +252,7 @@ def test_cli_info_reports_versions_devices_and_choice(tmp_path):
     assert_first_screen_is_quiet(text.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")
 def test_example_runs_on_jax(tmp_path):
     """The same script with KERAS_BACKEND=jax: DataParallel over 2 simulated CPU devices,
@@ -267,6 +275,7 @@ def test_example_runs_on_jax(tmp_path):
     assert saved, sorted(p.name for p in (tmp_path / "ckpt").iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")
 def test_cli_info_on_jax_shows_its_devices_and_choice(tmp_path):
     env = {"KERAS_BACKEND": "jax", "KMK_SIMULATE_REPLICAS": "2"}
@@ -322,6 +331,7 @@ def test_the_start_up_filter_drops_tensorflows_lines_and_keeps_everything_else(t
     assert proc.stderr == kept
 
 
+@pytest.mark.slow
 def test_cli_bench_figures_agree_with_what_was_requested_and_measured(tmp_path):
     per_replica, steps = 32, 12
     # `bench --roof` measures this CPU's matmul roof and stores it where `bench` finds it.

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.test_datasets_cifar10 import make_cifar, write_folder
 from tests.test_example_and_cli import EXAMPLE, run
+
+pytestmark = pytest.mark.slow  # every test here starts children or trains for long
 
 SMALL = ["--epochs", "1", "--per-replica-batch-size", "16", "--output", "model.keras"]
 

@@ -48,6 +48,7 @@ def test_the_batch_size_is_read_where_it_is_known(dataset, expected):
     assert dataset_batch_size(dataset()) == expected
 
 
+@pytest.mark.slow
 def test_a_dataset_batched_per_replica_is_refused_before_any_step(kit_model):
     model, dist = kit_model
     counter = CountBatches()

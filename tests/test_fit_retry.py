@@ -16,6 +16,8 @@ import pytest
 
 import keras_mirror_kit as kmk
 
+pytestmark = pytest.mark.slow  # every test here starts children or trains for long
+
 TWO = ["/cpu:0", "/cpu:1"]
 GLOBAL = 64
 X = np.random.default_rng(0).normal(size=(1024, 8)).astype("float32")

@@ -104,6 +104,7 @@ def test_the_tutorial_cnn_matches_the_hand_count():
     assert training_flops_per_sample(model) == count.flops_per_sample
 
 
+@pytest.mark.slow
 def test_a_batch_normalization_model_matches_the_hand_count():
     """BatchNormalization adds 17 FLOPs per element: 6 forward (2 means, a squared
     deviation, scale, shift) and 11 backward, as TensorFlow differentiates the unfused

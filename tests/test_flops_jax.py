@@ -21,9 +21,13 @@ from keras_mirror_kit.throughput.flops import count_training_flops
 from tests.flop_models import flop_models
 from tests.subproc import REPO
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("jax") is None, reason="jax is not installed (keras-mirror-kit[dev])"
-)
+pytestmark = [
+    pytest.mark.slow,  # a JAX child (or a module fixture running one) per module
+    pytest.mark.skipif(
+        importlib.util.find_spec("jax") is None,
+        reason="jax is not installed (keras-mirror-kit[dev])",
+    ),
+]
 
 
 @pytest.fixture(scope="module")

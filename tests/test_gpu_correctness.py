@@ -195,6 +195,7 @@ print("RESULT " + json.dumps({"replicas": len(names), "sums": sums, "error": err
 """
 
 
+@pytest.mark.slow
 def test_hierarchical_copy_on_three_replicas_leaves_one_out_and_the_kit_refuses_it():
     result = last_json(run_python(THREE_REPLICAS, replicas=3))
     assert result["replicas"] == 3

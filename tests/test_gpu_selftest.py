@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.subproc import REPO
+
+pytestmark = pytest.mark.slow  # every test here starts children or trains for long
 
 
 def test_the_gpu_selftest_runs_on_a_cpu_and_says_what_it_skipped():

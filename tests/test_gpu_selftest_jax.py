@@ -20,9 +20,13 @@ import pytest
 
 from tests.subproc import REPO
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("jax") is None, reason="jax is not installed (keras-mirror-kit[dev])"
-)
+pytestmark = [
+    pytest.mark.slow,  # a JAX child (or a module fixture running one) per module
+    pytest.mark.skipif(
+        importlib.util.find_spec("jax") is None,
+        reason="jax is not installed (keras-mirror-kit[dev])",
+    ),
+]
 
 SCRIPT = REPO / "benchmarks" / "gpu_selftest_jax.py"
 

@@ -60,6 +60,7 @@ def train(per_replica, accumulate, optimizer, **kwargs):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("optimizer", "tolerance"), [("sgd", 1e-5), ("adam", 2e-4)])
 def test_accumulating_16x4_follows_the_large_batch_64x1(optimizer, tolerance):
     large = train(64, 1, optimizer, warmup=optimizer == "sgd")
@@ -72,12 +73,14 @@ def test_accumulating_16x4_follows_the_large_batch_64x1(optimizer, tolerance):
     assert max_diff(small.get_weights(), large.get_weights()) <= tolerance
 
 
+@pytest.mark.slow
 def test_steps_per_execution_with_accumulation_follows_the_large_batch():
     large = train(64, 1, "sgd", steps_per_execution=3)
     small = train(16, 4, "sgd", steps_per_execution=3)  # updates straddle executions
     assert max_diff(small.get_weights(), large.get_weights()) <= 1e-5
 
 
+@pytest.mark.slow
 def test_float16_loss_scaling_with_accumulation_follows_the_large_batch():
     large = train(64, 1, "sgd", mixed_precision="mixed_float16")
     small = train(16, 4, "sgd", mixed_precision="mixed_float16")
@@ -99,6 +102,7 @@ def test_plain_keras_accumulation_still_fails_under_mirrored_strategy():
         model.fit(X[:64], Y[:64], batch_size=16, verbose=0)
 
 
+@pytest.mark.slow
 def test_keras_passes_micro_batches_to_a_schedule_and_warmup_counts_updates():
     """What Keras gives a schedule under accumulation (read, not guessed): the micro-batch
     count `_iterations`, not `iterations`; `WarmupSchedule` divides it by N."""
@@ -187,6 +191,7 @@ def test_info_shows_the_effective_batch():
     assert (chosen["global_batch_size"], chosen["effective_batch_size"]) == (32, 128)
 
 
+@pytest.mark.slow
 def test_throughput_counts_micro_batches_and_reports_updates():
     model = build(16, 4, "sgd")
     monitor = ThroughputMonitor(warmup_steps=4)
@@ -201,6 +206,7 @@ def test_throughput_counts_micro_batches_and_reports_updates():
     assert "updates_per_sec" not in monitor.last
 
 
+@pytest.mark.slow
 def test_a_partial_accumulation_is_saved_alike_on_every_replica_and_resumed(tmp_path):
     """A crash between two updates: the accumulators (equal on both replicas) and the
     micro-batch counter are in the checkpoint; the resume ends on the uninterrupted run."""
@@ -316,6 +322,7 @@ def kill_trials(root, trials: int, seed: int = SEED) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_sigkill_between_two_updates_resumes_to_the_uninterrupted_weights(tmp_path):
     """3 seeded trials here; `benchmarks/accumulation_kill_trials.py` runs all 10."""
     rows = kill_trials(tmp_path, SUITE_TRIALS)

@@ -277,6 +277,7 @@ def plain_model() -> keras.Model:
 # --- import guard ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_import_without_wandb_names_the_extra():
     proc = run_python(
         """
@@ -348,6 +349,7 @@ def test_w_and_b_online_in_an_isolated_launch_worker_is_warned_about():
     assert _can_reach_wandb("online", {})
 
 
+@pytest.mark.slow
 def test_rejects_new_run_arguments_together_with_a_run(tmp_path):
     run = wandb.init(dir=str(tmp_path), mode="offline", settings=quiet_settings())
     try:
@@ -362,6 +364,7 @@ def test_rejects_new_run_arguments_together_with_a_run(tmp_path):
 # --- what gets logged --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_config_records_distribution_and_versions(tmp_path):
     model, dist = kit_model()
     logger = WandbLogger(
@@ -393,6 +396,7 @@ def test_config_records_distribution_and_versions(tmp_path):
     assert logger.run.config["global_batch_size"] == 8  # the in-memory run agrees
 
 
+@pytest.mark.slow
 def test_epoch_logs_include_values_added_by_earlier_callbacks(tmp_path):
     model, _ = kit_model()
     logger = WandbLogger(dir=tmp_path, mode="offline", settings=quiet_settings())
@@ -414,6 +418,7 @@ def test_epoch_logs_include_values_added_by_earlier_callbacks(tmp_path):
     assert logged.summary["samples_per_sec"] == pytest.approx(101.0)
 
 
+@pytest.mark.slow
 def test_a_logger_listed_before_the_monitor_still_logs_its_figures(tmp_path):
     """Users append the kit's callbacks to lists they already have: the kit's fit runs the
     monitor first, so the W&B rows carry its figures (issue: callback order)."""
@@ -429,6 +434,7 @@ def test_a_logger_listed_before_the_monitor_still_logs_its_figures(tmp_path):
             assert row[key] == pytest.approx(history.history[key][epoch], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_batch_logs_every_n_steps_without_colliding_with_epoch_logs(tmp_path):
     model, _ = kit_model()
     logger = WandbLogger(
@@ -464,6 +470,7 @@ def test_model_not_built_by_the_kit_counts_as_chief(tmp_path):
 # tests/test_multi_worker.py::test_throughput_and_wandb_in_a_real_two_worker_run.
 
 
+@pytest.mark.slow
 def test_uploads_synced_checkpoints_as_model_artifacts(tmp_path):
     model, _ = kit_model()
     checkpoints = tmp_path / "ckpt"
@@ -565,6 +572,7 @@ def rotation_child(root: str) -> None:
     print("RESULT " + json.dumps(result))
 
 
+@pytest.mark.slow
 def test_checkpoint_rotated_away_mid_upload_is_left_out_of_the_artifact(tmp_path):
     data_dir = tmp_path / "wandb_data"  # this child's own staging area, to count its copies
     proc = run_python(
@@ -600,6 +608,7 @@ def test_checkpoint_rotated_away_mid_upload_is_left_out_of_the_artifact(tmp_path
     assert len(staged) == staged_expected
 
 
+@pytest.mark.slow
 def test_joins_an_active_run_and_leaves_it_open(tmp_path):
     run = wandb.init(
         dir=str(tmp_path), mode="offline", config={"user_key": 1}, settings=quiet_settings()
@@ -623,6 +632,7 @@ def test_joins_an_active_run_and_leaves_it_open(tmp_path):
     assert rows[-1] == {"after_fit": 1.0}
 
 
+@pytest.mark.slow
 def test_logs_to_a_run_passed_in_without_finishing_it(tmp_path):
     run = wandb.init(dir=str(tmp_path), mode="offline", settings=quiet_settings())
     try:
@@ -638,6 +648,7 @@ def test_logs_to_a_run_passed_in_without_finishing_it(tmp_path):
 # --- a fit() that raises -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fit_that_raises_finishes_the_run_it_started_as_failed(tmp_path, caplog):
     model, _ = kit_model()  # the kit's fit() calls on_fit_exception
     logger = WandbLogger(
@@ -702,6 +713,7 @@ class FitsInside(keras.callbacks.Callback):
             fit(plain_model(), [self.inner_logger], epochs=1)
 
 
+@pytest.mark.slow
 def test_new_logger_does_not_join_a_run_a_raising_fit_left_open(tmp_path):
     failed = WandbLogger(dir=tmp_path / "a", mode="offline", settings=quiet_settings())
     with pytest.raises(TrainingFailed):
@@ -733,6 +745,7 @@ def exits_after_a_failed_fit_child(root: str) -> None:
     print("RESULT " + json.dumps({"open_at_exit": wandb.run is logger.run}))
 
 
+@pytest.mark.slow
 def test_run_left_open_by_a_raising_fit_is_marked_failed_at_exit(tmp_path):
     proc = run_python(
         "from tests.test_integration_wandb import exits_after_a_failed_fit_child\n"

@@ -31,9 +31,13 @@ from tests import test_checkpoint_crash as crash
 from tests.ckpt_helpers import build, dataset, max_diff
 from tests.subproc import REPO
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("jax") is None, reason="jax is not installed (keras-mirror-kit[dev])"
-)
+pytestmark = [
+    pytest.mark.slow,  # a JAX child (or a module fixture running one) per module
+    pytest.mark.skipif(
+        importlib.util.find_spec("jax") is None,
+        reason="jax is not installed (keras-mirror-kit[dev])",
+    ),
+]
 
 WIDE_STEP = 2**40  # an optimizer step count past int32, JAX's default integer
 

@@ -28,6 +28,7 @@ def _kept(directory) -> list[dict]:
     return json.loads((directory / "manifest.json").read_text())["checkpoints"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "best"), [("min", [2, 4]), ("max", [1, 3])])
 def test_the_best_k_are_kept_beside_the_newest(tmp_path, mode, best):
     scores = [9.0, 1.0, 8.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # min: epochs 2, 4; max: epochs 1, 3
@@ -45,6 +46,7 @@ def test_the_best_k_are_kept_beside_the_newest(tmp_path, mode, best):
     assert len(list(tmp_path.glob("ckpt-*.npz"))) == len(kept)  # the others were deleted
 
 
+@pytest.mark.slow
 def test_val_loss_in_auto_mode_keeps_the_lowest(tmp_path):
     model, ds = build("adam"), dataset()
     x, y = data(32)
@@ -63,6 +65,7 @@ def test_val_loss_in_auto_mode_keeps_the_lowest(tmp_path):
     assert best in [e["epoch"] for e in kept]
 
 
+@pytest.mark.slow
 def test_a_metric_missing_from_the_logs_warns_and_saves_anyway(tmp_path):
     model, ds = build("sgd"), dataset()
     with pytest.warns(UserWarning, match="can rank checkpoints only with 'val_loss'") as info:
@@ -72,6 +75,7 @@ def test_a_metric_missing_from_the_logs_warns_and_saves_anyway(tmp_path):
     assert [e["epoch"] for e in kept] == [1, 2] and all(e["score"] is None for e in kept)
 
 
+@pytest.mark.slow
 def test_auto_mode_for_a_metric_of_unknown_direction_asks_for_a_mode(tmp_path):
     model, ds = build("sgd"), dataset()
     checkpoint = SyncedCheckpoint(tmp_path, keep_best=1, monitor="val_score")

@@ -53,6 +53,7 @@ def replica_gap(model, variable):
     return float(np.max(np.abs(np.asarray(copies[0]) - np.asarray(copies[1]))))
 
 
+@pytest.mark.slow
 def test_sync_batch_norm_reaches_nested_and_functional_layers_and_matches_one_replica():
     unsynced, start = train_bn(None, sync=False)
     assert not any(bn.synchronized for bn in batch_norms(unsynced))
@@ -100,6 +101,7 @@ def test_a_layer_named_like_batch_norm_is_left_alone_with_a_warning(caplog):
     assert len(warned) == 1 and "statistics stay per replica" in warned[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_mixed_precision_for_the_factory_only(policy):
     @kmk.distributed(per_replica_batch_size=32, mixed_precision=policy)
@@ -165,6 +167,7 @@ def spe_factory(steps, compile_steps=1, optimizer="adam"):
     return build
 
 
+@pytest.mark.slow
 def test_steps_per_execution_is_picked_up_by_the_factorys_compile(tmp_path):
     model = spe_factory(4)()
     assert model.steps_per_execution == 4
@@ -188,6 +191,7 @@ def test_keras_still_rounds_epochs_up():
     assert int(model.optimizer.iterations.numpy()) == 24  # not 20
 
 
+@pytest.mark.slow
 def test_steps_per_epoch_that_keras_would_round_up_is_rejected_before_training():
     model = spe_factory(4)()
     counter = CountBatches()
@@ -227,6 +231,7 @@ def test_keras_still_rounds_evaluation_steps_up():
     assert counter.test_batches == 12  # not 10
 
 
+@pytest.mark.slow
 def test_evaluation_steps_that_keras_would_round_up_are_rejected_before_any_step():
     model = spe_factory(4)()
     data = kmk.make_dataset(X, Y, 16, seed=0).repeat()
@@ -243,6 +248,7 @@ def test_evaluation_steps_that_keras_would_round_up_are_rejected_before_any_step
     assert steps.test_batches == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("steps", "resume_at"), [(4, (2, 12)), (3, (2, 0))])
 def test_checkpoint_resume_is_exact_with_steps_per_execution(tmp_path, steps, resume_at):
     """16 batches per epoch: with 4 steps per execution the resume is mid-epoch; with 3 (16

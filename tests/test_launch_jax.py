@@ -46,6 +46,7 @@ def test_a_job_for_another_backend_is_refused_before_any_worker(
     assert marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")
 def test_a_worker_that_selects_jax_itself_is_refused_and_the_launcher_shows_why(tmp_path):
     script = tmp_path / "train.py"

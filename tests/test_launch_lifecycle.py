@@ -284,6 +284,7 @@ def test_sighup_is_left_alone_under_nohup(job, out):
         signal.signal(signal.SIGHUP, previous)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ok", "early"])
 def test_without_os_waitid_the_launcher_polls(monkeypatch, capsys, job, out, mode):
     """As on macOS before Python 3.13 (no os.waitid, WNOWAIT, CLD_EXITED): a normal end
@@ -308,6 +309,7 @@ def test_without_os_waitid_the_launcher_polls(monkeypatch, capsys, job, out, mod
 # -- B: a worker that exits 0 while the others still run ------------------------------------
 
 
+@pytest.mark.slow
 def test_a_worker_that_exits_0_while_the_others_train_fails_the_run(capsys, job, out):
     code = launch.main(
         ["-n", "2", "--startup-timeout", "0", "--finish-window", "1", "--grace", "1",
@@ -323,6 +325,7 @@ def test_a_worker_that_exits_0_while_the_others_train_fails_the_run(capsys, job,
     assert_none_left(_recorded(out))
 
 
+@pytest.mark.slow
 def test_a_peer_failing_after_an_early_exit_names_the_worker_that_left(capsys, job, out):
     """Worker 1 exits 0; worker 0 then fails (as TensorFlow's heartbeat makes it do): the
     launcher names worker 1, and "stopped" no one (both had exited)."""
@@ -340,6 +343,7 @@ def test_a_peer_failing_after_an_early_exit_names_the_worker_that_left(capsys, j
     assert_none_left(_recorded(out))
 
 
+@pytest.mark.slow
 def test_the_startup_timeout_names_a_worker_that_exited_before_joining(capsys, job, out):
     code = launch.main(
         ["-n", "2", "--startup-timeout", "5", "--finish-window", "0", "--grace", "1",
@@ -369,6 +373,7 @@ def test_helpers_get_the_grace_period_at_a_normal_end(capsys, job, out):
     assert_none_left(pids)
 
 
+@pytest.mark.slow
 def test_a_helper_that_ignores_sigterm_is_killed_after_the_grace_period(capsys, job, out):
     assert launch.main(["-n", "2", "--grace", "1", str(job), str(out), "helper-ignores-term"]) == 0
     pids = _recorded(out)

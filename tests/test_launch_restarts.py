@@ -106,6 +106,7 @@ def _pids(out: Path) -> list[int]:
     return [a["pid"] for rank in (0, 1) for a in _attempts(out, rank)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", modes.params("isolated", "host", "fallback"))
 def test_failures_restart_every_worker_until_one_attempt_succeeds(
     capsys, monkeypatch, job, out, mode
@@ -160,6 +161,7 @@ def test_after_k_restarts_the_last_failure_is_the_exit_status(capsys, job, out):
     assert "last lines of worker 1's stderr:" in err and "something broke" in err
 
 
+@pytest.mark.slow
 def test_one_worker_is_supervised_too(capsys, job, out):
     code = launch.main(["-n", "1", "--max-restarts", "1", str(job), str(out), "slow-75,ok"])
     err = capsys.readouterr().err
@@ -169,6 +171,7 @@ def test_one_worker_is_supervised_too(capsys, job, out):
     assert f"worker 0 exited with status {PREEMPTED_EXIT_CODE}" in err
 
 
+@pytest.mark.slow
 def test_peers_of_a_preempted_worker_may_finish_their_save(capsys, job, out):
     """Worker 1 exits with status 75 first; worker 0 (the chief, saving) exits 2 s later by
     itself: the launcher does not stop it (--grace 0.2 would have cut its save short)."""
@@ -179,6 +182,7 @@ def test_peers_of_a_preempted_worker_may_finish_their_save(capsys, job, out):
     assert "stopped worker 0" not in err
 
 
+@pytest.mark.slow
 def test_a_worker_that_leaves_early_is_not_restarted(capsys, job, out):
     code = launch.main(["-n", "2", "--grace", "1", "--finish-window", "1", "--max-restarts",
                         "3", str(job), str(out), "early"])  # fmt: skip
@@ -220,6 +224,7 @@ def test_max_restarts_must_not_be_negative(capsys, job, out):
     assert "did you mean --max-restarts?" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_seeded_sigkills_of_a_random_worker_end_with_the_uninterrupted_weights(tmp_path):
     rng = random.Random(SEED)

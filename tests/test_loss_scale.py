@@ -52,6 +52,7 @@ def restore_policy():
     keras.config.set_dtype_policy(before)
 
 
+@pytest.mark.slow
 def test_plain_keras_still_trusts_replica_0(restore_policy):
     """The upstream bug, with plain Keras: an upgrade that fixes it fails this test."""
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -74,6 +75,7 @@ def test_plain_keras_still_trusts_replica_0(restore_policy):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", [0, 1])
 def test_kit_model_skips_the_step_when_any_replica_overflows(row):
     @kmk.distributed(global_batch_size=2, mixed_precision="mixed_float16")
@@ -101,6 +103,7 @@ def test_kit_model_skips_the_step_when_any_replica_overflows(row):
         np.testing.assert_array_equal(values[0], values[1])
 
 
+@pytest.mark.slow
 def test_fixed_when_compiled_after_the_factory_or_in_a_with_block(restore_policy):
     @kmk.distributed(global_batch_size=2, mixed_precision="mixed_float16")
     def build():
@@ -197,6 +200,7 @@ with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
 """
 
 
+@pytest.mark.slow
 def test_two_workers_agree_when_one_overflows(tmp_path):
     """Without the fix worker 0 waits in the gradient all-reduce that worker 1 skipped."""
     script = tmp_path / "worker.py"

@@ -705,6 +705,7 @@ def test_launch_kills_what_workers_leave_behind(capsys, script, tmp_path):
     assert_none_left(pids)
 
 
+@pytest.mark.slow
 def test_launch_startup_and_overall_timeouts(capsys, script, tmp_path):
     code = launch.main(
         ["-n", "2", "--startup-timeout", "1", "--grace", "1", str(script), str(tmp_path), "hang"]
@@ -799,6 +800,7 @@ def resumed_run(tmp_path_factory, ckpt_dir, killed_run):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_workers_train_like_one_process_with_two_replicas(reference, first_run):
     out, _ = first_run
@@ -839,6 +841,7 @@ def test_two_workers_train_like_one_process_with_two_replicas(reference, first_r
     assert metrics(results[0])[0]["loss"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_checkpoints_are_written_once_by_the_chief(first_run):
     out, files = first_run
@@ -854,6 +857,7 @@ def test_checkpoints_are_written_once_by_the_chief(first_run):
     assert renamed.count("manifest.json") == 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_workers_servers_listen_only_in_their_own_namespace(first_run):
     """Issue 27: under `launch` (default `--network auto`), the TensorFlow server of each
@@ -876,6 +880,7 @@ def test_the_workers_servers_listen_only_in_their_own_namespace(first_run):
     assert modes.EXPOSED not in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_killed_worker_stops_the_launch_quickly(killed_run):
     out, proc, finished_at, manifest = killed_run
@@ -896,6 +901,7 @@ def test_a_killed_worker_stops_the_launch_quickly(killed_run):
     assert (latest["epoch"], latest["step"], latest["global_step"]) == (1, 3, 11)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_worker_that_leaves_training_early_is_named(tmp_path):
     """Worker 1 exits with status 0 in the middle of epoch 0 (as if its data ran out).
@@ -918,6 +924,7 @@ def test_a_worker_that_leaves_training_early_is_named(tmp_path):
     assert_none_left(_recorded_pids(tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_resumed_multi_worker_run_continues_from_the_checkpoint(reference, resumed_run):
     results = _results(resumed_run)
@@ -965,6 +972,7 @@ def _run_cluster(out: Path, tf_configs: list[str], *child_args: str, timeout: fl
     return outputs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_chief_job_shape_and_keras_still_needs_the_workaround(tmp_path):
     """With a `chief` job, worker 0 is not the chief. Keras unpatched still fails."""
@@ -999,6 +1007,7 @@ def test_chief_job_shape_and_keras_still_needs_the_workaround(tmp_path):
     assert chief["losses"] == worker["losses"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_peer_that_never_starts_is_bounded_by_the_startup_timeout(tmp_path):
     # Worker 1 sleeps 300 s before importing anything; without the startup timeout the
@@ -1016,6 +1025,7 @@ def test_a_peer_that_never_starts_is_bounded_by_the_startup_timeout(tmp_path):
     assert_none_left(pids)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_multi_worker_strategy_without_a_cluster_is_one_worker():
     proc = run_python(
@@ -1032,6 +1042,7 @@ def test_multi_worker_strategy_without_a_cluster_is_one_worker():
     assert last_json(proc) == [1, 1, True, "collective-ring", False]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_workers_that_do_not_share_the_checkpoint_directory_fail_clearly(
     tmp_path, ckpt_dir, first_run
@@ -1059,6 +1070,7 @@ def test_workers_that_do_not_share_the_checkpoint_directory_fail_clearly(
     assert not (out / "result-0.json").exists() and not (out / "result-1.json").exists()
 
 
+@pytest.mark.slow
 def test_throughput_and_wandb_in_a_real_two_worker_run(first_run):
     """Per-worker figures on every worker; a W&B run (offline) on the chief only."""
     out, _ = first_run
@@ -1076,6 +1088,7 @@ def test_throughput_and_wandb_in_a_real_two_worker_run(first_run):
     assert not (out / "observe" / "runs-1" / "wandb").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_workers_accumulate_gradients_like_one_process_with_two_replicas(tmp_path):
     """Issue 15 item 5: `gradient_accumulation_steps=2` on 2 real workers (one replica

@@ -121,6 +121,7 @@ def _trained(name: str, where: str) -> keras.Model:
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CHECKED)
 def test_one_and_two_replicas_train_as_one_device(name):
     _, _, tolerance, with_plain, _ = CONFIGS[name]
@@ -143,6 +144,7 @@ def test_one_and_two_replicas_train_as_one_device(name):
     assert keras_ema_overwrite.is_fixed(inner) == bool(inner.use_ema)
 
 
+@pytest.mark.slow
 def test_the_options_change_what_trains():
     """Each option really acts on this model and data (else the tests above prove nothing)."""
     base = {"sgd": _trained("sgd", "plain"), "adam": _trained("adam", "plain")}
@@ -155,6 +157,7 @@ def test_the_options_change_what_trains():
     assert max_diff(overwrite, _trained("adam-ema", "kit-1").get_weights()) > 1e-3
 
 
+@pytest.mark.slow
 def test_ema_keeps_its_config_and_fit_ends_on_the_averages():
     for name in ("adam-ema", "adam-ema-overwrite"):
         model = _trained(name, "kit-2")
@@ -186,6 +189,7 @@ def _one_weight(devices, **clip) -> float:
     return float(model.get_weights()[0][0, 0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("clip", ["clipnorm", "global_clipnorm", "clipvalue"])
 def test_one_weight_is_clipped_to_the_threshold_on_any_replica_count(clip):
     """1 replica: 1 - 1 = 0. Keras on 2 replicas clips each half (100) to 1: 1 - 2 = -1."""
@@ -265,6 +269,7 @@ def test_untested_keras_with_the_bugs_refuses_before_any_step(monkeypatch):
     assert not keras_ema_overwrite.is_fixed(plain.optimizer)
 
 
+@pytest.mark.slow
 def test_fixed_when_compiled_after_the_factory_or_in_a_with_block():
     @kmk.distributed(global_batch_size=GLOBAL_BATCH)
     def build():
@@ -317,6 +322,7 @@ with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
 """
 
 
+@pytest.mark.slow
 def test_two_workers_clip_the_reduced_gradient_and_overwrite_with_ema(tmp_path):
     """MultiWorkerMirroredStrategy (1 replica per worker) takes the same all-reduce path."""
     script = tmp_path / "worker.py"

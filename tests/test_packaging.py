@@ -177,6 +177,7 @@ def test_help_and_launch_start_without_tensorflow() -> None:
     print(f"start-up: {result}")  # measured, not asserted (the wall clock varies)
 
 
+@pytest.mark.slow
 def test_every_public_name_resolves_and_distributed_stays_the_decorator() -> None:
     proc = run_python(
         """
@@ -207,6 +208,7 @@ def test_every_public_name_resolves_and_distributed_stays_the_decorator() -> Non
     assert result["subs"] == {n: f"keras_mirror_kit.{n}" for n in result["subs"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keras_first", [False, True])
 def test_warmup_schedule_loads_from_a_keras_file_after_a_plain_import(
     tmp_path: Path, keras_first: bool

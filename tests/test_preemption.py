@@ -84,6 +84,7 @@ def test_preemption_signals_are_checked():
     assert PREEMPTED_EXIT_CODE == 75 and issubclass(Preempted, SystemExit)
 
 
+@pytest.mark.slow
 def test_a_signal_saves_the_step_reached_and_ends_fit_with_status_75(
     tmp_path, usr1_recorder, monkeypatch, caplog
 ):
@@ -136,6 +137,7 @@ def test_a_signal_saves_the_step_reached_and_ends_fit_with_status_75(
     assert max_diff(reference, resumed.get_weights()) <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_handlers_come_back_after_a_fit_that_raised(tmp_path, usr1_recorder):
     raw_before = preemption_module._save_action(signal.SIGUSR1)
     # A kit model: its fit() tells the callback (on_fit_exception).
@@ -162,6 +164,7 @@ def test_handlers_come_back_after_a_fit_that_raised(tmp_path, usr1_recorder):
     assert signal.getsignal(signal.SIGUSR1) is not checkpoint._preemption._on_signal
 
 
+@pytest.mark.slow
 def test_fit_outside_the_main_thread_trains_and_says_it_cannot_save_on_a_signal(tmp_path, caplog):
     model, ds = build("adam"), dataset()
     errors: list[BaseException] = []
@@ -187,6 +190,7 @@ def test_fit_outside_the_main_thread_trains_and_says_it_cannot_save_on_a_signal(
 # -- SIGTERM at seeded moments, in subprocesses ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigterm_at_seeded_moments_one_process(tmp_path):
     """3 chained trials: SIGTERM a seeded number of steps after the previous save."""
     rng = random.Random(SEED)
@@ -220,6 +224,7 @@ def test_sigterm_at_seeded_moments_one_process(tmp_path):
     assert diff <= TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sigterm_to_one_of_two_workers_at_seeded_moments(tmp_path):
     """3 chained 2-worker trials under `launch`: a seeded worker gets SIGTERM a seeded

@@ -96,6 +96,7 @@ def _doctor(capsys: Any, *args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+@pytest.mark.slow
 def test_cli_passes_a_plain_model_with_sgd(user_dir: Path, capsys: Any) -> None:
     code, out, err = _doctor(capsys, "--model", "train:dense", "--data", "train:data", "--json")
     assert code == 0, out + err
@@ -112,6 +113,7 @@ def test_cli_passes_a_plain_model_with_sgd(user_dir: Path, capsys: Any) -> None:
     assert one[2] < one[0]  # it trained
 
 
+@pytest.mark.slow
 def test_cli_reports_unsynchronized_batch_norm_and_exits_1(user_dir: Path, capsys: Any) -> None:
     code, out, err = _doctor(capsys, "--model", "train:batch_norm", "--data", "train:data")
     assert code == 1, out + err
@@ -125,6 +127,7 @@ def test_cli_reports_unsynchronized_batch_norm_and_exits_1(user_dir: Path, capsy
     assert "replica_copies_differ" not in out
 
 
+@pytest.mark.slow
 def test_synchronized_batch_norm_of_a_distributed_factory_passes(user_dir: Path) -> None:
     train = importlib.import_module("train")
     x, y = train.data()
@@ -138,6 +141,7 @@ def test_synchronized_batch_norm_of_a_distributed_factory_passes(user_dir: Path)
     assert "passed: largest difference" in result.describe()
 
 
+@pytest.mark.slow
 def test_random_layers_are_named_and_the_tolerance_flag_decides(
     user_dir: Path, capsys: Any
 ) -> None:
@@ -182,6 +186,7 @@ def test_bad_specs_and_data_give_clear_errors_before_training(user_dir: Path, ca
     assert code == 2 and "--steps: option(s) of the --model check" in err, out + err
 
 
+@pytest.mark.slow
 def test_a_factory_in_a_script_is_found_and_must_return_a_compiled_model(
     user_dir: Path,
 ) -> None:

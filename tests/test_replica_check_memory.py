@@ -85,6 +85,7 @@ print("RESULT " + json.dumps({
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
 def test_the_check_of_a_big_variable_allocates_a_few_mib_not_its_size():
     env = {"TF_ENABLE_ONEDNN_OPTS": "0", "MALLOC_MMAP_THRESHOLD_": str(MIB)}

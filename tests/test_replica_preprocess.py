@@ -95,6 +95,7 @@ class Probe:
         return tf.cast(x, "float32") * (1.0 / 255.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps_per_execution", [None, 2])
 def test_fit_evaluate_predict_give_what_host_preprocessing_gives(steps_per_execution):
     host = run(kit_model(steps_per_execution), "host")
@@ -109,6 +110,7 @@ def test_fit_evaluate_predict_give_what_host_preprocessing_gives(steps_per_execu
     assert replica[3].shape == (40, 2) and max_gap([host[3]], [replica[3]]) <= 1e-6
 
 
+@pytest.mark.slow
 def test_the_replica_step_receives_the_stored_dtype():
     train, _ = datasets("auto")
     assert preprocess_placement(train) == "replica"
@@ -133,6 +135,7 @@ def test_the_replica_step_receives_the_stored_dtype():
     assert block_probe.replica_dtypes and set(block_probe.replica_dtypes) == {tf.uint8}
 
 
+@pytest.mark.slow
 def test_a_plain_keras_model_keeps_host_preprocessing():
     def plain(seed=1):
         keras.utils.set_random_seed(seed)
@@ -152,6 +155,7 @@ def test_a_plain_keras_model_keeps_host_preprocessing():
     assert first_x.dtype == tf.float32 and float(tf.reduce_max(first_x)) <= 1.0
 
 
+@pytest.mark.slow
 def test_the_model_is_built_for_what_preprocess_returns():
     """Keras builds an unbuilt model from the first batch: it must see preprocess's output."""
 
@@ -166,6 +170,7 @@ def test_the_model_is_built_for_what_preprocess_returns():
     assert model.predict(val, verbose=0).shape == (40, 2)
 
 
+@pytest.mark.slow
 def test_compiled_functions_are_reused_and_never_leak_outside_the_kit_call():
     probe = Probe()
     model = kit_model()
@@ -192,6 +197,7 @@ def test_compiled_functions_are_reused_and_never_leak_outside_the_kit_call():
     assert probe.traces > traces
 
 
+@pytest.mark.slow
 def test_mid_epoch_resume_on_replicas_matches_an_uninterrupted_host_run(tmp_path):
     reference = kit_model()
     train, _ = datasets("host")  # the order keyed on the fit epoch, as in the resumed run
@@ -236,6 +242,7 @@ def test_bad_preprocess_on_is_refused(kwargs, expected):
     assert expected in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_step_replaced_after_the_kit_prepared_the_model(caplog):
     """Its own step would get uint8 unprocessed: host preprocessing ("auto"), or an error."""
     model = kit_model()

@@ -56,6 +56,7 @@ def blocks_checkpoint(tmp_path_factory):
     return directory, {layer.name: layer.get_weights() for layer in model.layers}
 
 
+@pytest.mark.slow
 def test_another_architecture_with_the_same_shapes_is_refused_naming_the_paths(
     blocks_checkpoint,
 ):
@@ -93,6 +94,7 @@ def trained(tmp_path_factory):
     return directory, model
 
 
+@pytest.mark.slow
 def test_restore_loads_weights_and_the_optimizer_state_into_a_new_model(trained):
     directory, model = trained
     fresh = build("adam", seed=7)  # compiled; its optimizer is built by optimizer=True
@@ -151,6 +153,7 @@ def cnn_checkpoint(tmp_path_factory):
     return directory, model, x[:4]
 
 
+@pytest.mark.slow
 def test_ckpt_ls_and_verify(cnn_checkpoint, capsys, tmp_path):
     directory, _, _ = cnn_checkpoint
     assert main(["ckpt", "ls", str(directory), "--json"]) == 0
@@ -226,6 +229,7 @@ def test_ckpt_verify_and_ls_accept_earlier_versions_without_tensorflow(tmp_path,
     assert rc == 1 and "ckpt-00000003.npz: CORRUPT" in out and "2 of 3" in out, out
 
 
+@pytest.mark.slow
 def test_ckpt_export_loads_with_plain_keras(cnn_checkpoint, capsys, tmp_path):
     directory, model, x = cnn_checkpoint
     want = model.predict(x, verbose=0)
@@ -249,6 +253,7 @@ def test_ckpt_export_loads_with_plain_keras(cnn_checkpoint, capsys, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp.keras")]
 
 
+@pytest.mark.slow
 def test_ckpt_export_with_a_model_factory(trained, tmp_path, capsys):
     directory, model = trained
     to = tmp_path / "small.weights.h5"

@@ -95,6 +95,7 @@ class StopIn(keras.callbacks.Callback):
     [("epoch", True), ("epoch", False), ("batch", False)],
     ids=["on_epoch_end-listed-before", "on_epoch_end-listed-after", "on_batch_end-after"],
 )
+@pytest.mark.slow
 def test_a_stop_request_at_the_end_of_a_resumed_epoch_is_honoured(
     crashed_mid_epoch, tmp_path, hook, before
 ):
@@ -114,6 +115,7 @@ def test_a_stop_request_at_the_end_of_a_resumed_epoch_is_honoured(
 # -- item 1: another optimizer; non-finite state -------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_optimizer_is_refused_before_any_step(tmp_path):
     model, ds = build("momentum"), dataset()
     model.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
@@ -129,6 +131,7 @@ def test_a_checkpoint_of_another_optimizer_is_refused_before_any_step(tmp_path):
     assert npz_files(tmp_path) == files
 
 
+@pytest.mark.slow
 def test_a_non_finite_state_is_refused_and_the_finite_checkpoints_stay(tmp_path):
     model, ds = build("sgd"), dataset()
     model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
@@ -161,6 +164,7 @@ def test_a_non_finite_state_is_refused_and_the_finite_checkpoints_stay(tmp_path)
 # -- item 2: random state ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_random_layers_resume_mid_epoch_to_the_uninterrupted_weights(tmp_path):
     model, ds = build("sgd", random_layers=True), dataset()
     model.fit(
@@ -200,6 +204,7 @@ def test_random_layers_resume_mid_epoch_to_the_uninterrupted_weights(tmp_path):
     ],
     ids=["16-more-samples", "4-more-samples", "another-seed"],
 )
+@pytest.mark.slow
 def test_changed_data_resumes_from_the_epoch_boundary_with_a_warning(
     crashed_mid_epoch, tmp_path, caplog, change, why
 ):
@@ -268,6 +273,7 @@ def two_stages(model, ds, callbacks):
     model.fit(ds, epochs=4, initial_epoch=2, verbose=0, callbacks=callbacks)
 
 
+@pytest.mark.slow
 def test_a_rerun_two_stage_script_continues_each_fit_from_the_newest_checkpoint(tmp_path):
     model, ds = build("sgd"), dataset()
     two_stages(model, ds, [SyncedCheckpoint(tmp_path / "ref", dataset=ds)])
@@ -282,6 +288,7 @@ def test_a_rerun_two_stage_script_continues_each_fit_from_the_newest_checkpoint(
     assert max_diff(reference, fresh.get_weights()) <= 1e-6
 
 
+@pytest.mark.slow
 def test_stage_two_rerun_alone_resumes_its_own_checkpoint(tmp_path, caplog):
     """Stage 1 commented out (or a notebook cell after a restart): stage 2 is fit #0 now."""
     model, ds = build("sgd"), dataset()
@@ -317,6 +324,7 @@ def test_stage_two_rerun_alone_resumes_its_own_checkpoint(tmp_path, caplog):
     assert any("epochs=4, at epoch 3" in m and "trains nothing" in m for m in warned), warned
 
 
+@pytest.mark.slow
 def test_a_full_rerun_of_stages_with_equal_epochs_goes_stage_by_stage(tmp_path):
     """Both stages fit(epochs=2) (e.g. frozen, then fine-tuning): after a crash in stage 2
     the full rerun must not let stage 1 take stage 2's checkpoint as its own."""
@@ -351,6 +359,7 @@ def test_a_full_rerun_of_stages_with_equal_epochs_goes_stage_by_stage(tmp_path):
 # -- item 6: callbacks' state --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_early_stopped_job_rerun_unchanged_trains_nothing(tmp_path):
     def job(seed):
         model, ds, counter = build("sgd", seed=seed), dataset(), CountBatches()
@@ -392,6 +401,7 @@ class Tally(keras.callbacks.Callback):
         self.epochs_seen, self.losses = state["epochs_seen"], state["losses"]
 
 
+@pytest.mark.slow
 def test_callback_state_resumes_exactly(tmp_path):
     def run(directory, crash=None, seed=3):
         model, ds, tally = build("sgd", seed=seed), dataset(), Tally()
@@ -418,6 +428,7 @@ def test_callback_state_resumes_exactly(tmp_path):
 # -- items 7 and 8: retention --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_retention_keeps_two_epoch_boundaries_when_mid_epoch_ones_cannot_resume(
     tmp_path, plain_reference
 ):
@@ -443,6 +454,7 @@ def test_retention_keeps_two_epoch_boundaries_when_mid_epoch_ones_cannot_resume(
     assert [e["epoch"] for e in entries if e["epoch_end"]][-3:] == [2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_lost_manifest_is_rebuilt_from_the_files_before_pruning(tmp_path, plain_reference):
     def run(seed, epochs, crash=None):
         model, counter = build("sgd", seed=seed), CountBatches()
@@ -461,6 +473,7 @@ def test_a_lost_manifest_is_rebuilt_from_the_files_before_pruning(tmp_path, plai
     assert max_diff(plain_reference, model.get_weights()) <= 1e-6
 
 
+@pytest.mark.slow
 def test_retention_keeps_an_epoch_boundary_among_mid_epoch_resume_points(tmp_path):
     """keep=1, save_freq=1, dataset=: mid-epoch saves fill the resume points."""
     model, ds = build("sgd"), dataset()
@@ -499,6 +512,7 @@ def test_a_hand_driven_loop_says_the_callback_runs_unhooked(tmp_path, caplog):
     assert any("runs unhooked" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_keras_private_layout_change_does_not_break_the_import():
     proc = run_python(
         """
@@ -531,6 +545,7 @@ def test_keras_private_layout_change_does_not_break_the_import():
 # -- rough edge: a changed learning rate at resume -----------------------------------------
 
 
+@pytest.mark.slow
 def test_a_changed_learning_rate_at_resume_is_logged(tmp_path, caplog):
     model, ds = build("sgd"), dataset()
     model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])

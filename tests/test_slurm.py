@@ -186,6 +186,7 @@ def _stand_in(path: Path, code: str) -> None:
     path.chmod(0o755)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_documented_sbatch_script_saves_on_slurms_signal_and_requeues(tmp_path):
     bin_dir = tmp_path / "bin"

@@ -59,6 +59,7 @@ def crash_then_resume(optimizer, directory, crash_at, use_dataset=True, **kwargs
     return fresh, checkpoint, counter
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_resume_at_an_epoch_boundary_matches_an_uninterrupted_run(optimizer, tmp_path):
     reference = uninterrupted(optimizer, tmp_path)
@@ -70,6 +71,7 @@ def test_resume_at_an_epoch_boundary_matches_an_uninterrupted_run(optimizer, tmp
     assert max_diff(reference, model.get_weights()) <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_integer_save_freq_resumes_mid_epoch_without_training_a_batch_twice(optimizer, tmp_path):
     reference = uninterrupted(optimizer, tmp_path)
@@ -86,6 +88,7 @@ def test_integer_save_freq_resumes_mid_epoch_without_training_a_batch_twice(opti
     assert max_diff(reference, model.get_weights()) <= 1e-6
 
 
+@pytest.mark.slow
 def test_without_a_kit_dataset_mid_epoch_checkpoints_fall_back_to_the_epoch_boundary(
     tmp_path, caplog
 ):
@@ -109,6 +112,7 @@ def test_without_a_kit_dataset_mid_epoch_checkpoints_fall_back_to_the_epoch_boun
     assert max_diff(reference, model.get_weights()) <= 1e-6
 
 
+@pytest.mark.slow
 def test_a_later_fit_on_the_same_model_behaves_normally(tmp_path):
     model, ds = build("sgd"), dataset()
     checkpoint = SyncedCheckpoint(tmp_path / "c", dataset=ds)
@@ -120,6 +124,7 @@ def test_a_later_fit_on_the_same_model_behaves_normally(tmp_path):
     assert int(model.optimizer.iterations.numpy()) == 24
 
 
+@pytest.mark.slow
 def test_a_finished_run_restarted_trains_nothing_more(tmp_path):
     reference = uninterrupted("sgd", tmp_path)
     fresh, ds = build("sgd", seed=5), dataset()
@@ -134,6 +139,7 @@ def test_a_finished_run_restarted_trains_nothing_more(tmp_path):
     assert max_diff(reference, fresh.get_weights()) == 0.0
 
 
+@pytest.mark.slow
 def test_restores_optimizer_state_not_just_weights(tmp_path):
     model, ds = build("adam"), dataset()
     model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
@@ -149,6 +155,7 @@ def test_restores_optimizer_state_not_just_weights(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_restores_into_a_different_replica_count(tmp_path):
     """Saved with 2 replicas, resumed with 1 (same global batch): the weights end where an
     uninterrupted 2-replica run's do. Only the summation order differs (two per-replica
@@ -169,6 +176,7 @@ def test_restores_into_a_different_replica_count(tmp_path):
     assert max_diff(reference, single.get_weights()) <= 1e-5
 
 
+@pytest.mark.slow
 def test_keeps_the_newest_and_two_usable_resume_points_beyond_it(tmp_path):
     model, ds = build("sgd"), dataset()
     model.fit(
@@ -202,6 +210,7 @@ def test_keeps_the_newest_and_two_usable_resume_points_beyond_it(tmp_path):
     assert len([n for n in os.listdir(other) if n.endswith(".npz")]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "zero", "garbage", "delete", "truncate-async"])
 def test_corrupt_newest_checkpoint_warns_and_uses_the_previous(tmp_path, damage, caplog):
     model, ds = build("sgd"), dataset()
@@ -227,6 +236,7 @@ def test_corrupt_newest_checkpoint_warns_and_uses_the_previous(tmp_path, damage,
     assert any("corrupt" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_unreadable_manifest_falls_back_to_the_files(tmp_path):
     model, ds = build("sgd"), dataset()
     model.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
@@ -238,6 +248,7 @@ def test_unreadable_manifest_falls_back_to_the_files(tmp_path):
     assert checkpoint.last_restored.meta["epoch"] == 2
 
 
+@pytest.mark.slow
 def test_orphaned_temporaries_are_removed_and_foreign_files_kept(tmp_path):
     (tmp_path / ".ckpt-00000009.npz.deadbeef.tmp").write_bytes(b"half a checkpoint")
     (tmp_path / ".manifest.json.0badf00d.tmp").write_bytes(b"{")
@@ -250,6 +261,7 @@ def test_orphaned_temporaries_are_removed_and_foreign_files_kept(tmp_path):
     assert {"notes.txt", "ckpt-final.npz", "manifest.json"} <= names
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_model_is_a_clear_error_before_training(tmp_path):
     model, ds = build("sgd"), dataset()
     model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
@@ -266,6 +278,7 @@ def test_checkpoint_of_another_model_is_a_clear_error_before_training(tmp_path):
     assert counter.batches == 0
 
 
+@pytest.mark.slow
 def test_verify_replicas_names_a_diverged_variable(tmp_path):
     model, ds = build("sgd"), dataset()
     kernel = model.layers[0].kernel
@@ -277,6 +290,7 @@ def test_verify_replicas_names_a_diverged_variable(tmp_path):
     assert not any(n.endswith(".npz") for n in os.listdir(tmp_path))
 
 
+@pytest.mark.slow
 def test_non_finite_values_on_one_replica_are_named_as_such(tmp_path):
     model, ds = build("sgd"), dataset()
     bias = model.layers[0].bias
@@ -296,6 +310,7 @@ def test_non_finite_values_on_one_replica_are_named_as_such(tmp_path):
     assert not any(n.endswith(".npz") for n in os.listdir(tmp_path))
 
 
+@pytest.mark.slow
 def test_unsynchronised_batch_norm_statistics_are_reported_not_raised(tmp_path, caplog):
     model = build("sgd", batch_norm=True)
     bn = model.layers[1]
@@ -357,6 +372,7 @@ def test_dataset_with_steps_per_epoch_is_rejected_before_training(tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_no_warning_on_a_clean_resume(tmp_path):
     model, ds = build("sgd"), dataset()
     model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
@@ -368,6 +384,7 @@ def test_no_warning_on_a_clean_resume(tmp_path):
     assert not [w for w in caught if issubclass(w.category, CorruptCheckpointWarning)]
 
 
+@pytest.mark.slow
 def test_a_random_shuffle_seed_is_saved_and_reused_on_resume(tmp_path):
     x, y = data()
     model, ds = build("sgd"), kmk.make_dataset(x, y, 16)  # seed drawn at random
@@ -388,6 +405,7 @@ def test_a_random_shuffle_seed_is_saved_and_reused_on_resume(tmp_path):
     assert counter.batches == 3 + 6  # the rest of epoch 1, then epoch 2
 
 
+@pytest.mark.slow
 def test_an_interrupted_fit_does_not_leave_the_resume_epoch_behind(tmp_path):
     model, ds = build("sgd"), dataset()
     model.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
@@ -401,6 +419,7 @@ def test_an_interrupted_fit_does_not_leave_the_resume_epoch_behind(tmp_path):
     assert counter.batches == 6  # a normal later fit: epoch 0 runs, nothing skipped
 
 
+@pytest.mark.slow
 def test_reusing_the_instance_after_fit_raised_resumes_like_a_new_one(tmp_path):
     """Issue 18, rough edge: a retry with the same instance resumes exactly."""
     reference = uninterrupted("sgd", tmp_path)
@@ -444,6 +463,7 @@ class ClearIdsAtEpoch(keras.callbacks.Callback):
             TRAINED_IDS.clear()
 
 
+@pytest.mark.slow
 def test_mid_epoch_resume_into_another_replica_count_skips_the_consumed_samples(tmp_path, caplog):
     """The samples trained in the interrupted epoch, before (2 replicas, batches of 16)
     and after (1 replica, batches of 8) the resume: each of the 96 exactly once."""
@@ -506,6 +526,7 @@ class _Payload:
         return (open, (self.path, "w"))
 
 
+@pytest.mark.slow
 def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path, capsys):
     """docs/security.md: checkpoints are read with NumPy's allow_pickle=False. A checkpoint
     whose first variable is replaced by a pickled object array of the right shape, with a

@@ -7,6 +7,7 @@ benchmarks/end_of_fit_stall.py and docs/benchmarks.md. Here: the mechanism is in
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import tensorflow as tf
 from tensorflow.python.data.ops import multi_device_iterator_ops as mdi
 
@@ -40,6 +41,7 @@ def first_distributed_batch():
     next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4))))
 
 
+@pytest.mark.slow
 def test_make_dataset_has_no_autotuning():
     x = np.zeros((8, 2), "float32")
     assert kmk.make_dataset(x, batch_size=4, seed=0).options().autotune.enabled is False
@@ -57,6 +59,7 @@ def test_per_device_pipelines_lose_autotuning_only_inside_the_block():
     assert len(outside) == 2 and all(enabled is not False for enabled in outside)
 
 
+@pytest.mark.slow
 def test_models_built_by_the_kit_fit_without_per_device_autotuning():
     @kmk.distributed(per_replica_batch_size=4)
     def build():

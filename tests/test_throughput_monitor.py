@@ -146,6 +146,7 @@ def two_replica_fit(no_stored_roof):
     }
 
 
+@pytest.mark.slow
 def test_epoch_figures_are_in_history(two_replica_fit):
     history = two_replica_fit["history"]
     for key in (*FIGURE_KEYS, "scaling_efficiency"):
@@ -197,6 +198,7 @@ def test_last_figures_summary_and_log_line(two_replica_fit):
     assert "\n" not in message
 
 
+@pytest.mark.slow
 def test_steps_per_execution_counts_steps_not_calls():
     model = build(steps_per_execution=3)
     assert model.steps_per_execution == 3
@@ -221,6 +223,7 @@ def test_steps_per_execution_counts_steps_not_calls():
     assert reported == [(0, 5), (0, 8), (1, 2), (1, 5), (1, 11)]
 
 
+@pytest.mark.slow
 def test_validation_time_is_excluded():
     class SlowValidation(keras.callbacks.Callback):
         """Makes validation take twice the epoch's training time."""
@@ -307,6 +310,7 @@ def test_arguments_contradicting_the_distribution(kwargs, match):
     assert counter.count == 0
 
 
+@pytest.mark.slow
 def test_arguments_agreeing_with_the_distribution_are_accepted():
     model = build()
     monitor = ThroughputMonitor(global_batch_size=GBS, num_replicas=2)
@@ -314,6 +318,7 @@ def test_arguments_agreeing_with_the_distribution_are_accepted():
     assert monitor.summary()["measured_steps"] == 18
 
 
+@pytest.mark.slow
 def test_one_replica_short_epochs_and_evaluate_outside_fit(caplog):
     caplog.set_level(logging.INFO, logger="keras_mirror_kit")
     model = build(devices=["/cpu:0"])
@@ -432,6 +437,7 @@ class _Probe(keras.callbacks.Callback):
             self.seen = self.monitor.summary()
 
 
+@pytest.mark.slow
 def test_hot_path_leaves_the_meter_alone_until_the_epoch_ends():
     """Past warm-up a batch end only notes its index: the meter sees one call per epoch.
 
@@ -453,6 +459,7 @@ def test_hot_path_leaves_the_meter_alone_until_the_epoch_ends():
     assert probe.meter_steps == 2 + 2 + 1
 
 
+@pytest.mark.slow
 def test_batch_reports_give_the_meter_only_the_due_steps():
     """With log_every_n_steps, past warm-up the meter is called once per report."""
     model = build()
@@ -467,6 +474,7 @@ def test_batch_reports_give_the_meter_only_the_due_steps():
     assert monitor.summary()["measured_steps"] == 18
 
 
+@pytest.mark.slow
 def test_keras_runs_batch_ends_on_the_main_thread_with_tensorflow():
     """What docs/throughput.md ("No extra synchronisation") and CHANGELOG.md state.
 
@@ -597,6 +605,7 @@ def test_flop_figures_are_samples_times_the_kits_count(two_replica_fit):
     assert "peak_flops=" in notices[0] and "keras-mirror-kit bench --roof" in notices[0]
 
 
+@pytest.mark.slow
 def test_given_flops_and_peak_make_mfu_with_the_cpu_counted_once():
     model = build()
     data = kmk.make_dataset(X, Y, GBS, seed=0)
@@ -612,6 +621,7 @@ def test_given_flops_and_peak_make_mfu_with_the_cpu_counted_once():
     assert "MFU" in monitor.meter.describe()
 
 
+@pytest.mark.slow
 def test_a_stored_cpu_roof_gives_mfu(tmp_path, monkeypatch):
     """What `keras-mirror-kit bench --roof` stores is what the monitor divides by."""
     monkeypatch.setenv("KMK_ROOF_FILE", str(tmp_path / "roof.json"))
@@ -626,6 +636,7 @@ def test_a_stored_cpu_roof_gives_mfu(tmp_path, monkeypatch):
     assert peak_notices(records) == []
 
 
+@pytest.mark.slow
 def test_a_model_built_inside_fit_is_counted_at_its_first_epochs_end():
     @kmk.distributed(per_replica_batch_size=PER_REPLICA)
     def factory() -> keras.Model:

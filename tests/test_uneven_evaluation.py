@@ -82,6 +82,7 @@ def _evaluations(model: keras.Model, n: int) -> dict[str, list[float]]:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [29, 61, 1, 3])
 def test_evaluate_on_two_replicas_equals_one_replica(weights, n):
     one, two = _build(ONE, weights), _build(TWO, weights)
@@ -91,6 +92,7 @@ def test_evaluate_on_two_replicas_equals_one_replica(weights, n):
         assert close, (case, got, expected)
 
 
+@pytest.mark.slow
 def test_validation_of_any_size_during_fit_equals_one_replica(weights):
     """The crash of the issue: a kit dataset to train on (stored dtype on the replicas) and
     29 validation samples, evaluated in one batch of 32 split 15/14 after the epoch."""
@@ -110,6 +112,7 @@ def test_validation_of_any_size_during_fit_equals_one_replica(weights):
         assert np.allclose(two[key], one[key], atol=1e-5, rtol=0), (key, one[key], two[key])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 3, 29])
 def test_predict_returns_every_row_in_order_on_two_replicas(weights, n):
     x, _ = _images(n, seed=10 + n)
@@ -124,6 +127,7 @@ def test_predict_returns_every_row_in_order_on_two_replicas(weights, n):
         np.testing.assert_allclose(got, expected, atol=TOLERANCE, rtol=0)
 
 
+@pytest.mark.slow
 def test_training_on_a_last_batch_that_splits_unevenly_is_refused_before_any_step(weights):
     model = _build(TWO, weights)
     x, y = _images(17, seed=4)  # last batch of 1: one replica would get nothing
@@ -140,6 +144,7 @@ def test_make_dataset_num_replicas_is_deprecated():
         kmk.make_dataset(x, y, GLOBAL, shuffle=False, num_replicas=2)
 
 
+@pytest.mark.slow
 def test_plain_keras_still_fails_on_an_uneven_first_batch(weights):
     """The upstream bug (keras-team/keras#19246) the kit works around: when this test fails,
     Keras builds without averaging the replicas' parts and the workaround can go."""

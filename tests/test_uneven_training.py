@@ -128,6 +128,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_replicas_train_like_one_on_an_uneven_last_batch(case):
     data, fit_kwargs = CASES[case]
@@ -158,6 +159,7 @@ def _sequence_model(devices):
     return build()
 
 
+@pytest.mark.slow
 def test_a_masked_loss_weighs_each_replica_by_its_valid_entries():
     rng = np.random.default_rng(7)
     tokens = rng.integers(1, 20, size=(269, 6)).astype("int32")
@@ -167,12 +169,76 @@ def test_a_masked_loss_weighs_each_replica_by_its_valid_entries():
     results = []
     for devices in (ONE, TWO):
         model = _sequence_model(devices)
-        history = model.fit(tokens, labels, epochs=2, shuffle=False, verbose=0).history
+        history = model.fit(
+            tokens[:200],
+            labels[:200],
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            # traced after the train step: nothing of its weighting may leak into it
+            validation_data=(tokens[200:], labels[200:]),
+        ).history
+        history["train_again"] = model.fit(
+            tokens, labels, epochs=1, shuffle=False, verbose=0
+        ).history["loss"]
         results.append((model, history))
     _weights_close(results[0][0], results[1][0])
     _close(results[0][1]["loss"], results[1][1]["loss"], "loss")
+    _close(results[0][1]["train_again"], results[1][1]["train_again"], "loss")
+    assert "val_loss" in results[1][1]
 
 
+class OwnComputeLoss(keras.Model):
+    """A class that overrides `compute_loss`: Keras' loss plus a mean over the rows, scaled
+    for the replicas as Keras scales its own terms (so that an even split trains as one
+    device in Keras itself)."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        from keras.src.losses.loss import scale_loss_for_distribution
+
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        extra = 0.1 * keras.ops.mean(keras.ops.square(y_pred))
+        return loss + scale_loss_for_distribution(extra)
+
+
+class OwnMetrics(keras.Model):
+    """A class whose `compute_metrics` returns another dict than Keras' metrics."""
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        logs = super().compute_metrics(x, y, y_pred, sample_weight)
+        return {**logs, "rows": keras.ops.cast(keras.ops.shape(y_pred)[0], "float32")}
+
+
+def _subclassed(model_class, devices):
+    @kmk.distributed(global_batch_size=GLOBAL, devices=devices)
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((8,))
+        outputs = keras.layers.Dense(3, activation="softmax")(inputs)
+        model = model_class(inputs, outputs)
+        model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+        return model
+
+    return build()
+
+
+@pytest.mark.slow
+def test_an_own_compute_loss_is_weighted_once():
+    """Its compiled losses (through `super()`) are not weighted a second time."""
+    models = [_subclassed(OwnComputeLoss, devices) for devices in (ONE, TWO)]
+    histories = [m.fit(X, Y, epochs=2, shuffle=False, verbose=0).history for m in models]
+    _weights_close(*models)
+    _close(histories[0]["loss"], histories[1]["loss"], "loss")
+
+
+def test_an_own_compute_metrics_keeps_keras_test_step():
+    model = _subclassed(OwnMetrics, TWO)
+    x, y = _tabular(29, seed=4)
+    logs = model.evaluate(x, y, verbose=0, return_dict=True)
+    assert "loss" in logs
+
+
+@pytest.mark.slow
 def test_plain_keras_still_weighs_parts_unequally():
     """The upstream behaviour the kit corrects (module `keras_replica_shares`): when this
     fails, Keras weighs each replica by its share itself and the workaround can go."""
@@ -248,6 +314,7 @@ def conv_weights():
     return model.get_weights()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 2, 3, 77])
 def test_evaluate_and_predict_never_compute_on_an_empty_part(conv_weights, n):
     """1 row on 2 replicas leaves one empty; 77 rows at 16 end on 13 (7/6)."""
@@ -266,6 +333,7 @@ def test_evaluate_and_predict_never_compute_on_an_empty_part(conv_weights, n):
         _close(expected, got, "predict")
 
 
+@pytest.mark.slow
 def test_a_cnn_with_synchronized_batch_norm_trains_like_one_replica_on_a_7_6_split(conv_weights):
     """77 images at a global batch of 16: the last batch of 13 is split 7/6; synchronized
     BatchNormalization computes the statistics of the whole batch."""
@@ -298,6 +366,7 @@ def _gru(devices):
     return build()
 
 
+@pytest.mark.slow
 def test_an_embedding_and_gru_regression_trains_like_one_replica_on_a_7_6_split():
     rng = np.random.default_rng(8)
     tokens = rng.integers(0, 30, size=(269, 5)).astype("int32")
@@ -313,6 +382,7 @@ def test_an_embedding_and_gru_regression_trains_like_one_replica_on_a_7_6_split(
     _close(results[0][2], results[1][2], "predict")
 
 
+@pytest.mark.slow
 def test_validation_of_one_row_during_fit_equals_one_replica(conv_weights):
     x, y = _images(64, seed=2)
     histories = []
@@ -339,6 +409,7 @@ def test_training_on_a_part_with_no_rows_is_refused_before_any_step(data, last):
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
+@pytest.mark.slow
 def test_a_pipeline_of_unknown_length_reaching_an_empty_part_stops_with_the_kits_message():
     """`filter` hides the length, so nothing is refused before the first step; the step
     that would leave a replica without rows fails with the kit's message instead."""
@@ -361,6 +432,7 @@ def test_replica_parts_is_how_tf_distribute_splits_a_batch():
     assert replica_parts(13, 4) == [4, 4, 4, 1]
 
 
+@pytest.mark.slow
 def test_the_empty_conv_probe_reports_the_reference_kernels_right():
     """With oneDNN off TensorFlow's reference Conv2D is right; with it on the probe says
     whichever this host's kernels do (True on the AMD EPYC hosts of the issue)."""
@@ -394,6 +466,7 @@ def test_the_empty_part_tests_pass_with_onednn_off():
 # -- stateful layers -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_stateful_rnn_on_two_replicas_is_refused_when_built():
     def factory():
         model = keras.Sequential(

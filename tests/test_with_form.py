@@ -58,6 +58,7 @@ def test_fit_in_the_block_of_a_model_built_elsewhere_is_refused_by_the_kits_call
     assert counter.batches == 0
 
 
+@pytest.mark.slow
 def test_a_model_compiled_after_the_block_gets_a_warning_from_the_callbacks(caplog):
     with kmk.distributed(per_replica_batch_size=8) as dist:
         model = models.sequential()

@@ -12,6 +12,7 @@ a checkpoint (a retry then resumes from the checkpoint) or ended.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
@@ -21,6 +22,8 @@ from keras_mirror_kit import backends
 from keras_mirror_kit.checkpoint.state import state_variables
 
 __all__ = ["StartState"]
+
+logger = logging.getLogger("keras_mirror_kit")
 
 
 def _global_seed_state() -> Any:
@@ -55,10 +58,9 @@ class StartState:
         self.fit_index = int(fit_index)
         state = backends.current()
         self._variables = [variable for _, variable in state_variables(model)]
-        seed = _global_seed_state()
-        if seed is not None:
-            self._variables.append(seed)
-        self._values = [np.array(state.host_value(v), copy=True) for v in self._variables]
+        self._seed = _global_seed_state()  # None: Keras' global generator not made yet
+        kept = self._variables + ([self._seed] if self._seed is not None else [])
+        self._values = [np.array(state.host_value(v), copy=True) for v in kept]
 
     def belongs_to(self, model: Any, fit_index: int) -> bool:
         """Whether this is the start of `fit()` number `fit_index` of this very `model`.
@@ -68,16 +70,37 @@ class StartState:
             fit_index: That `fit()`'s number in the script.
 
         Returns:
-            True for the same model object and `fit()` number, with the same variables.
+            True for the same model object and `fit()` number.
         """
-        return (
-            self._model() is model
-            and self.fit_index == fit_index
-            and len(state_variables(model)) + (_global_seed_state() is not None)
-            == len(self._variables)
-        )
+        return self._model() is model and self.fit_index == fit_index
 
-    def restore(self) -> None:
-        """Assigns every kept value back to its variable (the model as the `fit()` began)."""
-        for variable, value in zip(self._variables, self._values, strict=True):
+    def restore(self) -> bool:
+        """Assigns every kept value back to its variable (the model as the `fit()` began).
+
+        Returns:
+            False, with a WARNING and nothing assigned, when the model's variables are no
+            longer those kept (a layer or an optimizer slot was added since).
+        """
+        model = self._model()
+        now = [variable for _, variable in state_variables(model)] if model is not None else []
+        if len(now) != len(self._variables) or any(
+            a is not b for a, b in zip(now, self._variables, strict=True)
+        ):
+            logger.warning(
+                "keras-mirror-kit: the model's variables changed since this fit() first "
+                "started (%d then, %d now), so its start state cannot be put back: the "
+                "batches it trained before it raised are trained again",
+                len(self._variables),
+                len(now),
+            )
+            return False
+        kept = self._variables + ([self._seed] if self._seed is not None else [])
+        for variable, value in zip(kept, self._values, strict=True):
             variable.assign(value)
+        if self._seed is None and _global_seed_state() is not None:
+            logger.info(
+                "keras-mirror-kit: Keras' global seed generator was first used by the "
+                "attempt that raised; unseeded random draws of the retry may differ from "
+                "an uninterrupted run's"
+            )
+        return True

@@ -26,8 +26,10 @@ What the kit does, on each model it builds (its class and other models are untou
   replica's part). A training part with no rows is refused before any step where the data
   says so (`keras_mirror_kit.fit_inputs`), and fails with the kit's message otherwise.
 * **Evaluation** (`test_step`): Keras' loss tracker and metrics already weigh each
-  replica's part by its rows; a replica with no rows skips the step (its metrics are
-  unchanged), so it never runs a layer on an empty batch.
+  replica's part by its rows (exact for a loss that is a mean over rows; a masked or
+  `"mean_with_sample_weight"` loss is weighted by rows here, as Keras does); a replica
+  with no rows skips the step (its metrics are unchanged), so it never runs a layer on an
+  empty batch. A class that overrides `compute_metrics` keeps Keras' `test_step`.
 * **Prediction** (`predict_step`): a replica with no rows predicts one row of zeros and
   returns none of it.
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -143,11 +146,12 @@ class _Step:
         return tf.stop_gradient(tf.math.divide_no_nan(part * float(self.n), whole))
 
 
-class _State:
-    """Per model: the step being traced (None outside the kit's `train_step`)."""
+class _State(threading.local):
+    """Per model and per thread (MirroredStrategy traces each replica in a thread of its
+    own, switching at each merge call): the step being traced, None outside the kit's
+    `train_step` and outside its compiled loss."""
 
-    def __init__(self) -> None:
-        self.step: _Step | None = None
+    step: _Step | None = None
 
     @contextlib.contextmanager
     def tracing(self, step: _Step) -> Iterator[None]:
@@ -177,8 +181,11 @@ class _SharedLoss:
         mask = _mask_of(y_pred)
         if reduction == "mean_with_sample_weight" and sample_weight is not None:
             weights = tf.cast(sample_weight, tf.float32)
-            if mask is not None:
-                weights *= tf.cast(tf.reshape(mask, tf.shape(weights)), tf.float32)
+            if mask is not None:  # as Keras merges them (`losses.loss.apply_mask`)
+                from keras.src.losses.loss import squeeze_or_expand_to_same_rank
+
+                valid, weights = squeeze_or_expand_to_same_rank(tf.cast(mask, tf.float32), weights)
+                weights = weights * valid
             part = tf.reduce_sum(weights)
         elif mask is not None:
             part = tf.reduce_sum(tf.cast(mask, tf.float32))
@@ -206,16 +213,21 @@ def _share_compiled_losses(model: Any, state: _State) -> None:
             flat[i] = entry._replace(loss=_SharedLoss(entry.loss, state))
 
 
-def _shared_loss(model: Any, step: _Step, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> Any:
+def _shared_loss(
+    model: Any, state: _State, step: _Step, x: Any, y: Any, y_pred: Any, sample_weight: Any
+) -> Any:
     """The replica's part of the one-device loss (compiled, `add_loss`, regularizers)."""
     if not _keras_compute_loss(model) or getattr(model, "_losses_override", None):
+        # The class's own compute_loss, as a mean over the replica's part: its compiled
+        # losses (through `super()`) stay unweighted, the whole is weighted once.
         loss = model._compute_loss(  # noqa: SLF001
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
         )
         return loss * tf.cast(step.share, loss.dtype)
     losses = []
     if model._compile_loss is not None:  # noqa: SLF001
-        loss = model._compile_loss(y, y_pred, sample_weight)  # noqa: SLF001
+        with state.tracing(step):  # each compiled loss weighted by its own share
+            loss = model._compile_loss(y, y_pred, sample_weight)  # noqa: SLF001
         if loss is not None:
             losses.append(loss)
     own = list(model._get_own_losses())  # noqa: SLF001  add_loss, activity regularizers
@@ -243,9 +255,7 @@ def _train_step(model: Any, state: _State, original: Any) -> Any:
             return original(data)
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         rows = _rows(x)
-        # Run by the function's automatic control dependencies; no barrier before the
-        # all-reduce below, which overlaps the forward pass.
-        tf.debugging.assert_positive(
+        check = tf.debugging.assert_positive(
             rows,
             message=(
                 "keras-mirror-kit: a replica received no samples of this training batch "
@@ -254,6 +264,9 @@ def _train_step(model: Any, state: _State, original: Any) -> Any:
                 "kmk.make_dataset(..., drop_remainder=True)) or pass steps_per_epoch."
             ),
         )
+        # The check gates the forward pass (local), not the all-reduce below, which then
+        # overlaps the forward pass: no barrier before it.
+        x = _after(check, x)
         step = _Step(ctx, rows)
         _share_compiled_losses(model, state)
         with tf.GradientTape() as tape:
@@ -261,8 +274,7 @@ def _train_step(model: Any, state: _State, original: Any) -> Any:
                 y_pred = model(x, training=True)
             else:
                 y_pred = model(x)
-            with state.tracing(step):
-                loss = _shared_loss(model, step, x, y, y_pred, sample_weight)
+            loss = _shared_loss(model, state, step, x, y, y_pred, sample_weight)
             # The one-device loss of this step, weighted by its rows, over the replicas.
             total, rows = (tf.cast(v, loss.dtype) for v in (step.total, step.rows))
             model._loss_tracker.update_state(  # noqa: SLF001
@@ -279,6 +291,23 @@ def _train_step(model: Any, state: _State, original: Any) -> Any:
     return train_step
 
 
+def _after(check: Any, structure: Any) -> Any:
+    """`structure` with each dense tensor made to wait for `check`."""
+
+    def gated(leaf: Any) -> Any:
+        if not isinstance(leaf, tf.Tensor):
+            return leaf
+        with tf.control_dependencies([check]):
+            return tf.identity(leaf)
+
+    return keras.tree.map_structure(gated, structure)
+
+
+def _dense_only(data: Any) -> bool:
+    """Whether every leaf of `data` is a dense tensor (or None): rows can be added."""
+    return all(leaf is None or isinstance(leaf, tf.Tensor) for leaf in tf.nest.flatten(data))
+
+
 def _test_step(model: Any, original: Any) -> Any:
     from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -288,6 +317,9 @@ def _test_step(model: Any, original: Any) -> Any:
             return original(data)
         x = data_adapter_utils.unpack_x_y_sample_weight(data)[0]
         return tf.cond(_rows(x) > 0, lambda: original(data), model.get_metrics_result)
+
+    if not (_keras_step(model, "compute_metrics") and _keras_step(model, "get_metrics_result")):
+        return original  # the skipped branch must return what the step returns
 
     return test_step
 
@@ -307,7 +339,7 @@ def _predict_step(original: Any) -> Any:
 
     @functools.wraps(original)
     def predict_step(data: Any) -> Any:
-        if _replicated() is None:
+        if _replicated() is None or not _dense_only(data):
             return original(data)
         rows = _rows(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
 
