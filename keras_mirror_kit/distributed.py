@@ -31,7 +31,7 @@ from keras_mirror_kit.scaling import per_replica_batch_size as split_global_batc
 from keras_mirror_kit.validation import check_bool, positive_int
 from keras_mirror_kit.with_block import block, factory_running
 
-__all__ = ["DistributedFactory", "check_backend", "distributed"]
+__all__ = ["DistributedFactory", "distributed"]
 
 logger = logging.getLogger("keras_mirror_kit")
 
@@ -338,11 +338,6 @@ class DistributedFactory(Generic[P, R]):
 
     def __repr__(self) -> str:
         return f"<distributed factory {getattr(self._factory, '__qualname__', self._factory)!r}>"
-
-
-def check_backend() -> str:
-    """The Keras backend's name, or a `RuntimeError` unless it is TensorFlow or JAX."""
-    return backends.check_supported()
 
 
 def _foreign_strategy_hint(strategy: object, backend_name: str) -> str:

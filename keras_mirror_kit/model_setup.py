@@ -31,6 +31,7 @@ from keras_mirror_kit.distribution import Distribution, activate
 from keras_mirror_kit.model_record import record_of, register_model
 from keras_mirror_kit.precision import keep_outputs_float32
 from keras_mirror_kit.schedules import check_accumulation
+from keras_mirror_kit.workarounds import inner_optimizer
 
 __all__ = [
     "ModelOptions",
@@ -117,9 +118,8 @@ def _apply_steps_per_execution(model: Any, steps: int | None, name: str) -> None
 
 def _apply_gradient_accumulation(model: Any, steps: int, name: str) -> None:
     """Gives the optimizer `distributed(gradient_accumulation_steps=)`, refusing another value."""
-    optimizer = getattr(model, "optimizer", None)
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        optimizer = optimizer.inner_optimizer  # the one holding gradient_accumulation_steps
+    # A LossScaleOptimizer's inner one holds gradient_accumulation_steps.
+    optimizer = inner_optimizer(getattr(model, "optimizer", None))
     if optimizer is None:
         return
     given = getattr(optimizer, "gradient_accumulation_steps", None) or 1

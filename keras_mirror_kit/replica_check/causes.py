@@ -115,12 +115,9 @@ def _random_layers(model: Any) -> list[ReplicaCause]:
 
 
 def _inner_optimizer(model: Any) -> Any:
-    import keras
+    from keras_mirror_kit.workarounds import inner_optimizer
 
-    optimizer = getattr(model, "optimizer", None)
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return optimizer.inner_optimizer
-    return optimizer
+    return inner_optimizer(getattr(model, "optimizer", None))
 
 
 def _clipping(optimizer: Any) -> list[ReplicaCause]:
