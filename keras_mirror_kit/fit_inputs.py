@@ -136,6 +136,14 @@ def _epoch_samples(dataset: Any) -> int | None:
     return info.epoch_samples if info is not None else None
 
 
+def _array_epoch_samples(x: Any, validation_split: float | None) -> int:
+    """Samples one epoch of in-memory arrays trains on (Keras' `validation_split` cut)."""
+    samples = _num_samples(x)
+    if validation_split:
+        samples = int(math.floor(samples * (1.0 - validation_split)))
+    return samples
+
+
 def plan_batches(
     x: Any,
     dist: Distribution,
@@ -146,9 +154,7 @@ def plan_batches(
     """The `BatchPlan` of one `fit`, `evaluate` or `predict` call (see the module docstring)."""
     if is_array_data(x):
         size = int(batch_size) if batch_size else dist.global_batch_size
-        samples = _num_samples(x)
-        if validation_split:
-            samples = int(math.floor(samples * (1.0 - validation_split)))
+        samples = _array_epoch_samples(x, validation_split)
         return BatchPlan(size, None if steps_per_epoch else samples)
     size = dataset_batch_size(x)
     if size is None:
@@ -218,9 +224,7 @@ def training_last_batch(given: dict[str, Any], dist: Distribution) -> tuple[int,
         return None
     if is_array_data(x):
         size = int(given.get("batch_size") or dist.global_batch_size)
-        samples = _num_samples(x)
-        if given.get("validation_split"):
-            samples = int(math.floor(samples * (1.0 - given["validation_split"])))
+        samples = _array_epoch_samples(x, given.get("validation_split"))
     else:
         info, node = _find(x, _KEEPS_EPOCH)
         if info is not None:
@@ -304,9 +308,8 @@ def check_even_batches(given: dict[str, Any], dist: Distribution, method: str) -
         if argument == "validation_data" and isinstance(data, (tuple, list)) and data:
             data = data[0]
         if is_array_data(data):
-            samples = _num_samples(data)
-            if argument == "x" and given.get("validation_split"):
-                samples = int(math.floor(samples * (1.0 - given["validation_split"])))
+            split = given.get("validation_split") if argument == "x" else None
+            samples = _array_epoch_samples(data, split)
             last = samples % int(size) if samples >= int(size) else samples
         else:
             info = _find(data, _KEEPS_EPOCH)[0]

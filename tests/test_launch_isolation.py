@@ -74,6 +74,7 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out.glob("worker-*.json"))]
 
 
+@pytest.mark.slow  # a launcher and its workers
 @pytest.mark.parametrize("mode", modes.params(*modes.MODES))
 def test_worker_ports_exist_only_where_the_network_mode_puts_them(tmp_path, mode):
     job, out = tmp_path / "job.py", tmp_path / "out"

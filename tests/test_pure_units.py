@@ -105,6 +105,7 @@ def test_parse_signals_refuses_what_cannot_be_caught_or_named(signals, error, me
         parse_signals(signals)
 
 
+@pytest.mark.slow  # a child interpreter
 def test_nothing_here_loads_tensorflow():
     code = (
         "import sys\n"

@@ -349,10 +349,12 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             self._start_state = None
             return
         kept = self._start_state
-        if self.restore and kept is not None and kept.belongs_to(self.model, self._fit_index):
-            if not kept.restore():
-                self._start_state = StartState(self.model, self._fit_index)
-                return
+        if (
+            self.restore
+            and kept is not None
+            and kept.belongs_to(self.model, self._fit_index)
+            and kept.restore()  # False (with a WARNING) when the variables changed
+        ):
             logger.info(
                 "keras-mirror-kit: this fit() raised before its first checkpoint in %s; the "
                 "model, its optimizer and random state are back at the state that fit() "

@@ -19,21 +19,11 @@ from typing import Any
 import numpy as np
 
 from keras_mirror_kit import backends
-from keras_mirror_kit.checkpoint.state import state_variables
+from keras_mirror_kit.checkpoint.state import global_seed_variable, state_variables
 
 __all__ = ["StartState"]
 
 logger = logging.getLogger("keras_mirror_kit")
-
-
-def _global_seed_state() -> Any:
-    """Keras' global seed generator's state variable, or None (never used, or moved)."""
-    try:  # private Keras: a layout change only loses this part of the state
-        from keras.src.backend.common import global_state
-    except ImportError:
-        return None
-    generator = global_state.get_global_attribute("global_seed_generator")
-    return None if generator is None else generator.state
 
 
 class StartState:
@@ -58,9 +48,9 @@ class StartState:
         self.fit_index = int(fit_index)
         state = backends.current()
         self._variables = [variable for _, variable in state_variables(model)]
-        self._seed = _global_seed_state()  # None: Keras' global generator not made yet
-        kept = self._variables + ([self._seed] if self._seed is not None else [])
-        self._values = [np.array(state.host_value(v), copy=True) for v in kept]
+        self._seed = global_seed_variable()  # None: Keras' global generator not made yet
+        self._kept = self._variables + ([self._seed] if self._seed is not None else [])
+        self._values = [np.array(state.host_value(v), copy=True) for v in self._kept]
 
     def belongs_to(self, model: Any, fit_index: int) -> bool:
         """Whether this is the start of `fit()` number `fit_index` of this very `model`.
@@ -94,10 +84,9 @@ class StartState:
                 len(now),
             )
             return False
-        kept = self._variables + ([self._seed] if self._seed is not None else [])
-        for variable, value in zip(kept, self._values, strict=True):
+        for variable, value in zip(self._kept, self._values, strict=True):
             variable.assign(value)
-        if self._seed is None and _global_seed_state() is not None:
+        if self._seed is None and global_seed_variable() is not None:
             logger.info(
                 "keras-mirror-kit: Keras' global seed generator was first used by the "
                 "attempt that raised; unseeded random draws of the retry may differ from "

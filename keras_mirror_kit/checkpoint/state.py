@@ -34,6 +34,7 @@ __all__ = [
     "auto_name_prefixes",
     "build_optimizer",
     "global_random_state",
+    "global_seed_variable",
     "match_state",
     "pair_by_path",
     "state_variables",
@@ -80,21 +81,26 @@ def build_optimizer(model: Any) -> None:
             optimizer.build(model.trainable_variables)
 
 
-def global_random_state() -> np.ndarray | None:
-    """Keras' global seed-generator state (saved as `"random/global"`), where it is used.
-
-    None when Keras' global seed generator was never created or its private module moved
-    (logged once at DEBUG).
-    """
+def global_seed_variable() -> Any:
+    """Keras' global seed generator's state variable, or None when it was never created or
+    its private module moved (logged once at DEBUG)."""
     try:  # private Keras: a layout change must only lose this part of the state
         from keras.src.backend.common import global_state
     except ImportError as err:
         _skip_global_random(err)
         return None
     global_seed = global_state.get_global_attribute("global_seed_generator")
-    if global_seed is None:
-        return None
-    return np.asarray(global_seed.state.numpy())
+    return None if global_seed is None else global_seed.state
+
+
+def global_random_state() -> np.ndarray | None:
+    """Keras' global seed-generator state (saved as `"random/global"`), where it is used.
+
+    None when Keras' global seed generator was never created or its private module moved
+    (logged once at DEBUG).
+    """
+    state = global_seed_variable()
+    return None if state is None else np.asarray(state.numpy())
 
 
 def apply_state(model: Any, loaded: LoadedCheckpoint, directory: str | os.PathLike[str]) -> None:

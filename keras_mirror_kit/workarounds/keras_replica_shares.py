@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -101,18 +102,13 @@ def _replicated() -> tf.distribute.ReplicaContext | None:
 
 
 def _keras_step(model: Any, name: str) -> bool:
-    """Whether the model keeps Keras' own `name` (not overridden by its class or instance)."""
+    """Whether the model keeps Keras' own `name` (a step, `compute_loss`, `compute_metrics`:
+    not overridden by its class or instance)."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     if name in vars(model):
         return False  # set on the instance before the kit prepared the model
     return getattr(type(model), name, None) is getattr(TensorFlowTrainer, name)
-
-
-def _keras_compute_loss(model: Any) -> bool:
-    from keras.src.trainers.trainer import Trainer
-
-    return getattr(type(model), "compute_loss", None) is Trainer.compute_loss
 
 
 def is_applied(model: Any) -> bool:
@@ -217,7 +213,7 @@ def _shared_loss(
     model: Any, state: _State, step: _Step, x: Any, y: Any, y_pred: Any, sample_weight: Any
 ) -> Any:
     """The replica's part of the one-device loss (compiled, `add_loss`, regularizers)."""
-    if not _keras_compute_loss(model) or getattr(model, "_losses_override", None):
+    if not _keras_step(model, "compute_loss") or getattr(model, "_losses_override", None):
         # The class's own compute_loss, as a mean over the replica's part: its compiled
         # losses (through `super()`) stay unweighted, the whole is weighted once.
         loss = model._compute_loss(  # noqa: SLF001
@@ -286,6 +282,8 @@ def _train_step(model: Any, state: _State, original: Any) -> Any:
             trainable_weights = model.trainable_weights
             gradients = tape.gradient(loss, trainable_weights)
             model.optimizer.apply_gradients(zip(gradients, trainable_weights))
+        else:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     return train_step
@@ -311,6 +309,9 @@ def _dense_only(data: Any) -> bool:
 def _test_step(model: Any, original: Any) -> Any:
     from keras.src.trainers.data_adapters import data_adapter_utils
 
+    if not (_keras_step(model, "compute_metrics") and _keras_step(model, "get_metrics_result")):
+        return original  # the skipped branch must return what the step returns
+
     @functools.wraps(original)
     def test_step(data: Any) -> Any:
         if _replicated() is None:
@@ -318,16 +319,11 @@ def _test_step(model: Any, original: Any) -> Any:
         x = data_adapter_utils.unpack_x_y_sample_weight(data)[0]
         return tf.cond(_rows(x) > 0, lambda: original(data), model.get_metrics_result)
 
-    if not (_keras_step(model, "compute_metrics") and _keras_step(model, "get_metrics_result")):
-        return original  # the skipped branch must return what the step returns
-
     return test_step
 
 
-def _one_row(leaf: Any) -> Any:
-    """One row of zeros (empty strings) shaped like `leaf`'s rows."""
-    if not isinstance(leaf, tf.Tensor) or not leaf.shape.rank:
-        return leaf
+def _one_row(leaf: tf.Tensor) -> tf.Tensor:
+    """One row of zeros (empty strings) shaped like the rows of the dense tensor `leaf`."""
     shape = tf.concat([[1], tf.shape(leaf)[1:]], axis=0)
     if leaf.dtype == tf.string:
         return tf.fill(shape, "")
