@@ -3,7 +3,7 @@
 `kmk.make_dataset(..., preprocess=kmk.rescale())` keeps uint8 images in memory. With
 `preprocess_on="host"` the batches are cast to float32 in the input pipeline, so float32
 crosses to every device; with the default (`"auto"`: on the replicas for `rescale()`) the
-uint8 batch crosses and each replica casts its slice (`keras_mirror_kit.replica_preprocess`).
+uint8 batch crosses and each replica casts its slice (`backends.tensorflow_preprocess`).
 Both conditions run side by side in one process, same model, data and seed, in alternating
 rounds; each round is one `fit` epoch timed by `ThroughputMonitor` (warm-up excluded).
 

@@ -25,7 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from keras_mirror_kit._version import __version__
 
-if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
+# The public names and their modules, listed once: static tools (type checkers, the API
+# reference) read these imports, and `_LAZY` is read from them. `__all__` names the same
+# (tests/test_packaging.py checks).
+if TYPE_CHECKING:
     from keras_mirror_kit import datasets, models
     from keras_mirror_kit.backends import simulate_replicas
     from keras_mirror_kit.batch_norm import synchronize_batch_norm
@@ -66,48 +69,6 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) see
     from keras_mirror_kit.schedules import WarmupSchedule
     from keras_mirror_kit.throughput.flops import count_training_flops
     from keras_mirror_kit.throughput.meter import ThroughputMeter
-
-# Public name -> the module that defines it (a sub-package maps to itself). Keep in step
-# with the TYPE_CHECKING imports above and `__all__` (tests/test_packaging.py checks).
-_LAZY: dict[str, str] = {
-    "CheckpointError": "keras_mirror_kit.checkpoint.store",
-    "CheckpointWriteError": "keras_mirror_kit.checkpoint.store",
-    "CorruptCheckpointWarning": "keras_mirror_kit.checkpoint.store",
-    "DatasetCursor": "keras_mirror_kit.data.cursor",
-    "Distribution": "keras_mirror_kit.distribution",
-    "DistributedFactory": "keras_mirror_kit.distributed",
-    "ReplicaDivergenceError": "keras_mirror_kit.callbacks",
-    "SyncedCheckpoint": "keras_mirror_kit.callbacks",
-    "ThroughputMeter": "keras_mirror_kit.throughput.meter",
-    "ThroughputMonitor": "keras_mirror_kit.callbacks",
-    "WarmupSchedule": "keras_mirror_kit.schedules",
-    "current": "keras_mirror_kit.distribution",
-    "cursor_of": "keras_mirror_kit.data.info",
-    "datasets": "keras_mirror_kit.datasets",
-    "distributed": "keras_mirror_kit.distributed",
-    "distribution_of": "keras_mirror_kit.model_record",
-    "global_batch_size": "keras_mirror_kit.scaling",
-    "image_dataset_from_directory": "keras_mirror_kit.data.folders",
-    "text_dataset_from_directory": "keras_mirror_kit.data.folders",
-    "tfrecord_dataset": "keras_mirror_kit.data.records",
-    "make_dataset": "keras_mirror_kit.data.pipeline",
-    "models": "keras_mirror_kit.models",
-    "nccl_available": "keras_mirror_kit.devices",
-    "per_replica_batch_size": "keras_mirror_kit.scaling",
-    "rescale": "keras_mirror_kit.data.preprocess",
-    "scale_learning_rate": "keras_mirror_kit.scaling",
-    "simulate_replicas": "keras_mirror_kit.backends",
-    "synchronize_batch_norm": "keras_mirror_kit.batch_norm",
-    "preprocess_placement": "keras_mirror_kit.data.preprocess",
-    "restore": "keras_mirror_kit.checkpoint.restore",
-    "CheckpointLockedError": "keras_mirror_kit.checkpoint.lock",
-    "StaleLockWarning": "keras_mirror_kit.checkpoint.lock",
-    "Preempted": "keras_mirror_kit.checkpoint.preemption",
-    "PREEMPTED_EXIT_CODE": "keras_mirror_kit.multi_worker",
-    "count_training_flops": "keras_mirror_kit.throughput.flops",
-    "ReplicaCheck": "keras_mirror_kit.replica_check.record",
-    "check_replicas": "keras_mirror_kit.replica_check.runner",
-}
 
 __all__ = [
     "CheckpointError",
@@ -156,6 +117,28 @@ _KERAS_REGISTRATIONS = ("keras_mirror_kit.schedules",)
 
 # Public names that are sub-packages or modules themselves (the others live in a module).
 _SUBMODULES = frozenset({"datasets", "models"})
+
+
+def _lazy_table() -> dict[str, str]:
+    """Public name -> its module, read from the `TYPE_CHECKING` imports (the one list)."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    block = next(
+        n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+    )
+    return {
+        alias.name: f"{node.module}.{alias.name}"
+        if alias.name in _SUBMODULES
+        else str(node.module)
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+
+
+_LAZY = _lazy_table()
 
 
 def __getattr__(name: str) -> Any:

@@ -38,11 +38,6 @@ logger = logging.getLogger("keras_mirror_kit")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# How each backend's own data-parallel object is named in messages.
-_OWN_OBJECT = {
-    "tensorflow": "a tf.distribute.Strategy",
-    "jax": "a keras.distribution.Distribution",
-}
 # steps_per_execution="auto": enough steps per call to amortise Keras' per-step Python
 # overhead (benchmarks/knobs.py), few enough that batch-level callbacks stay responsive.
 AUTO_STEPS_PER_EXECUTION = 8
@@ -176,7 +171,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             raise ValueError(
                 "Unknown `strategy`. Expected one of "
                 f"{', '.join(map(repr, backend.STRATEGIES))} or the backend's own object "
-                f"({_OWN_OBJECT[backend.NAME]}).{_foreign_strategy_hint(strategy, backend.NAME)} "
+                f"({backend.OWN_OBJECT}).{backend.foreign_object_hint(strategy)} "
                 f"Received: strategy={strategy!r}"
             )
         if ready_made and devices is not None:
@@ -259,7 +254,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             return False
         from keras_mirror_kit.multi_worker import cluster
 
-        return cluster.tf_config_num_workers() > 1
+        return cluster.multi_worker_expected()
 
     def __call__(self, factory: Callable[P, R]) -> DistributedFactory[P, R]:
         if not callable(factory):
@@ -338,13 +333,3 @@ class DistributedFactory(Generic[P, R]):
 
     def __repr__(self) -> str:
         return f"<distributed factory {getattr(self._factory, '__qualname__', self._factory)!r}>"
-
-
-def _foreign_strategy_hint(strategy: object, backend_name: str) -> str:
-    """A sentence for a `tf.distribute` strategy given on another backend, else ''."""
-    if backend_name == "tensorflow" or not type(strategy).__module__.startswith("tensorflow"):
-        return ""
-    return (
-        f" A tf.distribute strategy runs on Keras' TensorFlow backend only: run with "
-        f"KERAS_BACKEND=tensorflow, or leave `strategy` to the kit on {backend_name}."
-    )

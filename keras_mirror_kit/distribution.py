@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from keras_mirror_kit import backends
+from keras_mirror_kit.multi_worker.cluster import note_local_replicas
 from keras_mirror_kit.scaling import DEFAULT_RULE, scale_learning_rate, validate_rule
 from keras_mirror_kit.validation import positive_int
 
@@ -79,6 +80,7 @@ class Distribution:
         self._lr_scaling_rule = validate_rule(lr_scaling_rule)
         self.learning_rate_scaling: dict[str, Any] | None = None
         _ALL_DISTRIBUTIONS.add(self)
+        note_local_replicas(self, self.num_workers, self.num_replicas // self.num_workers)
 
     @property
     def strategy(self) -> Any:

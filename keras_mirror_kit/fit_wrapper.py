@@ -15,7 +15,7 @@
   first-batch build, a peek, an `evaluate`) and whichever callbacks are listed;
 * run the call the backend's way (`keras_mirror_kit.backends`): on TensorFlow, feeding the
   replicas a `make_dataset` dataset in its stored dtype when its `preprocess` runs on the
-  replicas (`keras_mirror_kit.replica_preprocess`) and refusing XLA over several replicas;
+  replicas (`backends.tensorflow_preprocess`) and refusing XLA over several replicas;
   on JAX, under the model's `DataParallel` distribution.
 
 Callbacks take part through `FitHooks`, the one declaration of what such a `fit` calls

@@ -9,11 +9,17 @@ imports no TensorFlow. Tests that need another layout
 GPUs are hidden (`CUDA_VISIBLE_DEVICES=-1`, inherited by every subprocess, and
 `set_visible_devices` here), so the suite asserts the same device layouts on a GPU host as
 on a laptop; what the kit does with GPUs is tested with fake device tables.
+
+Every child process a test starts (`subprocess`, through Python's `subprocess.Popen` audit
+event) is counted: each test report carries `("children", n)`, and the run ends with a line
+that says how many children the tests started, and which tests outside the `slow` tier did.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -24,7 +30,9 @@ os.environ.pop("TF_CONFIG", None)
 for _name in [n for n in os.environ if n.startswith("SLURM_")]:  # the suite under srun too
     del os.environ[_name]
 # A CPU roof a developer stored with `bench --roof` would add `mfu` to every monitor's logs.
-os.environ["KMK_ROOF_FILE"] = os.path.join(tempfile.mkdtemp(prefix="kmk-roof-"), "roof.json")
+_ROOF_DIR = tempfile.mkdtemp(prefix="kmk-roof-")
+atexit.register(shutil.rmtree, _ROOF_DIR, ignore_errors=True)
+os.environ["KMK_ROOF_FILE"] = os.path.join(_ROOF_DIR, "roof.json")
 os.environ["CUDA_VISIBLE_DEVICES"] = "-1"  # before TensorFlow loads CUDA; children inherit it
 os.environ["HIP_VISIBLE_DEVICES"] = "-1"
 
@@ -67,3 +75,43 @@ def tensorflow_test_bed():
     """
     if "tensorflow" in sys.modules:
         configure_tensorflow()
+
+
+_children_started = [0]
+
+
+def _count_children(event: str, args: tuple) -> None:
+    if event == "subprocess.Popen":
+        _children_started[0] += 1
+
+
+sys.addaudithook(_count_children)
+
+
+@pytest.fixture(autouse=True)
+def count_children(request):
+    """Records on the test's report how many child processes the test started."""
+    before = _children_started[0]
+    yield
+    request.node.user_properties.append(("children", _children_started[0] - before))
+
+
+_children_by_test: dict[str, tuple[int, bool]] = {}  # in the controller: nodeid -> (n, slow)
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Collects each test's count (from its teardown report, which xdist sends here too)."""
+    if report.when == "teardown":
+        n = dict(report.user_properties).get("children", 0)
+        _children_by_test[report.nodeid] = (n, "slow" in report.keywords)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line: the children the tests started, and the fast-tier tests among them."""
+    started = {k: v for k, v in _children_by_test.items() if v[0]}
+    fast = sorted(k for k, (_, slow) in started.items() if not slow)
+    terminalreporter.write_line(
+        f"child processes started: {sum(n for n, _ in started.values())}, by {len(started)} "
+        "tests" + (f"; outside the slow tier: {', '.join(fast[:5])}" if fast else "")
+        + (f" and {len(fast) - 5} more" if len(fast) > 5 else "")
+    )

@@ -14,13 +14,13 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
+from keras_mirror_kit.backends.tensorflow_flops import model_input_specs
 from keras_mirror_kit.throughput.flops import (
     FlopCount,
     count_training_flops,
     model_compute_dtype,
     training_flops_per_sample,
 )
-from keras_mirror_kit.throughput.flops_tf import model_input_specs
 from keras_mirror_kit.validation import optional_positive_number
 from tests import models
 

@@ -60,6 +60,7 @@ logger = logging.getLogger("keras_mirror_kit")
 #: Whether every batch must split evenly over the devices.
 SHARDS_EACH_BATCH = True  # XLA shards a batch only in equal parts
 NAME = "jax"
+OWN_OBJECT = "a keras.distribution.Distribution"  # what `strategy=` may be besides a name
 STRATEGIES = ("auto", "data_parallel", "mirrored", "multi_worker")  # the last: refused
 XLA_FLAGS_ENV = "XLA_FLAGS"
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -142,6 +143,16 @@ def engine_of_model(model: Any) -> Engine:
 def is_own_object(strategy: Any) -> bool:
     """Whether `strategy` is a data-parallel object of this backend (a Keras Distribution)."""
     return isinstance(strategy, _distribution_class())
+
+
+def foreign_object_hint(strategy: Any) -> str:
+    """A sentence for a `tf.distribute` strategy given on JAX, else ''."""
+    if not type(strategy).__module__.startswith("tensorflow"):
+        return ""
+    return (
+        " A tf.distribute strategy runs on Keras' TensorFlow backend only: run with "
+        "KERAS_BACKEND=tensorflow, or leave `strategy` to the kit on jax."
+    )
 
 
 def version() -> str:
@@ -352,16 +363,21 @@ def call(
         yield
 
 
+def stop_agreement(strategy: Any, wake: Any) -> Any:
+    """Never needed: a JAX run has one worker (`multi_worker_choice` refuses more)."""
+    raise RuntimeError(f"A JAX run has one worker; nothing to agree on. Received: {strategy!r}")
+
+
 def block_contexts() -> list[AbstractContextManager[Any]]:
     """Nothing besides the distribution's scope."""
     return []
 
 
 def count_training_flops(model: Any, input_specs: Any, label_spec: Any) -> Any:
-    """XLA's cost analysis of the lowered training computation (`throughput.flops_jax`)."""
-    from keras_mirror_kit.throughput import flops_jax
+    """XLA's cost analysis of the lowered training computation (`backends.jax_flops`)."""
+    from keras_mirror_kit.backends import jax_flops
 
-    return flops_jax.count_training_flops(model, input_specs, label_spec)
+    return jax_flops.count_training_flops(model, input_specs, label_spec)
 
 
 # `jax_default_matmul_precision` values under which float32 dots run as TF32 on a GPU

@@ -5,7 +5,7 @@ working all-reduce, `MultiWorkerMirroredStrategy` from `TF_CONFIG` or a cluster 
 the user's own), and the hooks below give a kit-built model what Keras' TensorFlow trainer
 needs under a strategy: the checks that its variables and optimizer are mirrored, the
 workarounds of `keras_mirror_kit.workarounds`, and the replica-side preprocessing of
-`keras_mirror_kit.replica_preprocess`.
+`keras_mirror_kit.backends.tensorflow_preprocess`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_mirror_kit import replica_preprocess
+from keras_mirror_kit.backends import tensorflow_preprocess
 from keras_mirror_kit.backends.tensorflow_state import (  # the checkpoints' reads and checks
     differing_copies,
     finite_check,
@@ -67,6 +67,7 @@ __all__ = [
 #: Whether every batch must split evenly over the devices.
 SHARDS_EACH_BATCH = False  # tf.distribute splits a partial batch
 NAME = "tensorflow"
+OWN_OBJECT = "a tf.distribute.Strategy"  # what `strategy=` may be besides a name
 #: `distributed(strategy=)` values this backend takes besides a `tf.distribute.Strategy`.
 STRATEGIES = ("auto", "mirrored", "multi_worker")
 
@@ -118,6 +119,12 @@ def engine_of_model(model: Any) -> Engine:
 def is_own_object(strategy: Any) -> bool:
     """Whether `strategy` is a data-parallel object of this backend (a tf.distribute one)."""
     return isinstance(strategy, tf.distribute.Strategy)
+
+
+def foreign_object_hint(strategy: Any) -> str:
+    """Nothing to add: every other backend's object is unknown here."""
+    del strategy
+    return ""
 
 
 def version() -> str:
@@ -224,7 +231,7 @@ def install(model: Any) -> None:
     """Once per model: exact steps on any split, replica steps, no tf.data autotuning
     thread, uneven first batches."""
     keras_replica_shares.apply(model)  # first: the replica steps below wrap these steps
-    replica_preprocess.install(model)  # make_dataset's preprocess on the replicas
+    tensorflow_preprocess.install(model)  # make_dataset's preprocess on the replicas
     tf_data_iterator_stall.apply(model)  # no tf.data autotuning thread: see that module
     keras_uneven_first_batch.apply(model)  # evaluation on batches that split unevenly
 
@@ -235,7 +242,7 @@ def call(
 ) -> Iterator[None]:
     """Around one `fit`/`evaluate`/`predict` of a kit-built model, after its checks."""
     keras_jit_replicas.check(model, len(engine.devices), f"{method}()")
-    with replica_preprocess.applied(model, method, arguments):
+    with tensorflow_preprocess.applied(model, method, arguments):
         yield
 
 
@@ -244,16 +251,23 @@ def trains_exactly(model: Any) -> bool:
     return keras_replica_shares.trains_exactly(model)
 
 
+def stop_agreement(strategy: Any, wake: Any) -> Any:
+    """The workers' agreement on the step to stop at on a signal (`tensorflow_agreement`)."""
+    from keras_mirror_kit.backends.tensorflow_agreement import StopAgreement
+
+    return StopAgreement(strategy, wake)
+
+
 def block_contexts() -> list[AbstractContextManager[Any]]:
     """What a `with kmk.distributed(...)` block enters besides the strategy's scope."""
     return [tf_data_iterator_stall.per_device_autotune_disabled()]
 
 
 def count_training_flops(model: Any, input_specs: Any, label_spec: Any) -> Any:
-    """TensorFlow's FLOP statistics of the traced training graph (`throughput.flops_tf`)."""
-    from keras_mirror_kit.throughput import flops_tf
+    """TensorFlow's FLOP statistics of the traced training graph (`tensorflow_flops`)."""
+    from keras_mirror_kit.backends import tensorflow_flops
 
-    return flops_tf.count_training_flops(model, input_specs, label_spec)
+    return tensorflow_flops.count_training_flops(model, input_specs, label_spec)
 
 
 def gpu_identity(gpu_indices: Sequence[int]) -> tuple[str, bool, int]:

@@ -34,7 +34,9 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
+from keras_mirror_kit import backends
 from keras_mirror_kit.multi_worker import PREEMPTED_EXIT_CODE
+from keras_mirror_kit.multi_worker.cluster import strategy_workers
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
@@ -45,9 +47,6 @@ __all__ = [
 
 logger = logging.getLogger("keras_mirror_kit")
 
-_WAIT_MS = 600_000  # a peer's acknowledgment or end of fit() (a dead peer fails sooner)
-_STOP = "stop"  # the step key's value once a fit() ended without a stop
-_serial = [0]  # fit() with several workers in this process; the same on every worker
 _UNCATCHABLE = {getattr(signal, name) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name)}
 _SIGACTION_BYTES = 512  # larger than struct sigaction on every libc
 
@@ -192,7 +191,7 @@ class PreemptionGuard:
         self._previous: list[tuple[signal.Signals, Any, Any]] = []
         self._fit_frame: tuple[int, Any] | None = None
         self._workers = 1
-        self._cluster: _ClusterAgreement | None = None
+        self._cluster: Any = None  # the backend's StopAgreement with several workers
         self._proposed = False
 
     def start(self, model: Any) -> None:
@@ -205,7 +204,8 @@ class PreemptionGuard:
         if not self.signals:
             return
         if self._workers > 1:
-            self._cluster = _ClusterAgreement(model.distribute_strategy, self._wake)
+            strategy = model.distribute_strategy
+            self._cluster = backends.current().stop_agreement(strategy, self._wake)
         if threading.current_thread() is not threading.main_thread():
             logger.warning(
                 "keras-mirror-kit: SyncedCheckpoint cannot save on %s here: fit() runs "
@@ -317,71 +317,6 @@ class PreemptionGuard:
         return False
 
 
-class _ClusterAgreement:
-    """The step the workers stop at, agreed through TensorFlow's coordination service."""
-
-    def __init__(self, strategy: Any, wake: Any) -> None:
-        from tensorflow.python.distribute import multi_worker_util
-        from tensorflow.python.eager import context
-
-        resolver = strategy.cluster_resolver
-        spec = resolver.cluster_spec()
-        self._context = context.context()
-        self.rank = multi_worker_util.id_in_cluster(spec, resolver.task_type, resolver.task_id)
-        self.workers = multi_worker_util.worker_count(spec, resolver.task_type)
-        _serial[0] += 1
-        self._prefix = f"keras_mirror_kit/preemption/{_serial[0]}"
-        self.target: int | None = None
-        self._wake = wake
-        self._thread = threading.Thread(
-            target=self._watch, name="kmk-preemption-watch", daemon=True
-        )
-        self._thread.start()
-
-    def _set(self, key: str, value: str) -> bool:
-        """Sets a key once; False when it was set already (by another worker)."""
-        from tensorflow.python.framework import errors
-
-        try:
-            self._context.set_config_key_value(f"{self._prefix}/{key}", value)
-        except errors.AlreadyExistsError:
-            return False
-        return True
-
-    def _get(self, key: str) -> str:
-        return self._context.get_config_key_value(f"{self._prefix}/{key}", _WAIT_MS)
-
-    def _watch(self) -> None:
-        """Waits for the step to stop at (or the end of the fit()), then acknowledges it."""
-        try:
-            value = self._get("step")
-            if value != _STOP:
-                self.target = int(value)
-                self._wake()
-            self._set(f"ack/{self.rank}", "1")
-        except Exception as err:  # noqa: BLE001 (the cluster went away: nothing to agree)
-            logger.debug("keras-mirror-kit: preemption watch ended: %s", err)
-
-    def propose(self, step: int) -> None:
-        """Publishes `step` unless a worker did first; waits for every acknowledgment."""
-        if not self._set("claim", str(self.rank)) or not self._set("step", str(step)):
-            return  # another worker's step comes through _watch (it waits for ours)
-        for rank in range(self.workers):
-            self._get(f"ack/{rank}")
-
-    def end(self, late: bool) -> bool:
-        """At the end of fit(): whether any worker got a signal not acted on yet."""
-        self._set(f"end/{self.rank}", "1" if late else "0")
-        ends = [self._get(f"end/{rank}") for rank in range(self.workers)]
-        return "1" in ends
-
-    def release(self) -> None:
-        """Ends the watching thread (the step key set to `stop` if nobody set it)."""
-        with contextlib.suppress(Exception):  # the cluster may be gone (a failed fit())
-            self._set("step", _STOP)
-        self._thread.join(timeout=10)
-
-
 def _num_workers(model: Any) -> int:
     """Worker processes of the model's strategy (1 without a multi-worker strategy)."""
     from keras_mirror_kit.model_record import distribution_of
@@ -389,8 +324,7 @@ def _num_workers(model: Any) -> int:
     dist = distribution_of(model)
     if dist is not None:
         return int(dist.num_workers)
-    extended = getattr(getattr(model, "distribute_strategy", None), "extended", None)
-    return int(getattr(extended, "_num_workers", 1) or 1)
+    return strategy_workers(getattr(model, "distribute_strategy", None))
 
 
 def _find_fit_frame(model: Any) -> tuple[int, Any] | None:

@@ -11,8 +11,6 @@ serialize_keras_object(model)` when the model serializes) or from a factory you 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import json
 import logging
 import os
@@ -33,6 +31,7 @@ from keras_mirror_kit.checkpoint.state import (
     state_variables,
 )
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
+from keras_mirror_kit.named_objects import resolve
 
 __all__ = ["export_checkpoint", "load_checkpoint", "model_config", "restore"]
 
@@ -199,30 +198,6 @@ def restore(
     return loaded
 
 
-def _factory(spec: str) -> Callable[[], Any]:
-    """The callable named by `"module:function"` (or `"path/to/file.py:function"`)."""
-    module_name, _, attribute = spec.rpartition(":")
-    if not module_name or not attribute:
-        raise ValueError(
-            "The model factory must be given as 'module:function' (or 'file.py:function'), "
-            f"a function that returns the model. Received: model={spec!r}"
-        )
-    if module_name.endswith(".py"):
-        spec_obj = importlib.util.spec_from_file_location("_kmk_model_factory", module_name)
-        if spec_obj is None or spec_obj.loader is None:
-            raise ValueError(f"Cannot import {module_name!r}. Received: model={spec!r}")
-        module = importlib.util.module_from_spec(spec_obj)
-        spec_obj.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        raise ValueError(
-            f"{module_name!r} has no callable {attribute!r}. Received: model={spec!r}"
-        )
-    return factory
-
-
 def export_checkpoint(
     directory: str | os.PathLike[str],
     to: str | os.PathLike[str],
@@ -266,7 +241,8 @@ def export_checkpoint(
             )
         built = keras.saving.deserialize_keras_object(config)
     else:
-        built = (_factory(model) if isinstance(model, str) else model)()
+        factory = resolve(model, "model", callable_only=True) if isinstance(model, str) else model
+        built = factory()
     restore(built, directory, loaded.path.name, optimizer=False)
     with atomic_path(target) as tmp:
         if target.name.endswith(".keras"):

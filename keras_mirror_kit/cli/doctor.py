@@ -29,6 +29,8 @@ import sys
 import time
 from typing import Any
 
+from keras_mirror_kit.workarounds import version_in
+
 #: Supported ranges, `low <= version < high`: the same as pyproject.toml's requirements.
 SUPPORTED_PYTHON = ((3, 11), (3, 14))
 SUPPORTED_TENSORFLOW = ((2, 21), (3, 0))
@@ -149,12 +151,12 @@ def _check_model(args: argparse.Namespace) -> int:
         return _usage_error("--model and --data go together: give both")
     if args.no_self_test:
         return _usage_error("--no-self-test is for the machine checks, not --model")
+    from keras_mirror_kit.named_objects import resolve
     from keras_mirror_kit.replica_check import DEFAULT_TOLERANCE, check_replicas
-    from keras_mirror_kit.replica_check.specs import resolve_spec
 
     try:
-        resolve_spec(args.model, "--model")  # errors that name the options
-        resolve_spec(args.data, "--data")
+        resolve(args.model, "--model")  # errors that name the options
+        resolve(args.data, "--data")
         result = check_replicas(
             args.model,
             args.data,
@@ -196,7 +198,7 @@ def diagnose(*, self_test: bool = True, timeout: float = 300.0) -> dict[str, Any
     python = sys.version_info[:2]
     check(
         "python",
-        "ok" if _in_range(python, SUPPORTED_PYTHON) else "fail",
+        "ok" if version_in(python, SUPPORTED_PYTHON) else "fail",
         f"{sys.version.split()[0]} (supported: {_range_text(SUPPORTED_PYTHON)})",
     )
     report["isolation"] = _check_isolation(check)
@@ -224,10 +226,6 @@ def diagnose(*, self_test: bool = True, timeout: float = 300.0) -> dict[str, Any
         report["self_test"] = _self_test(gpus, timeout, check)
     report.update(checks=checks, ok=all(c["status"] != "fail" for c in checks))
     return report
-
-
-def _in_range(version: tuple[int, ...], bounds: tuple[tuple[int, int], tuple[int, int]]) -> bool:
-    return bounds[0] <= version[:2] < bounds[1]
 
 
 def _range_text(bounds: tuple[tuple[int, int], tuple[int, int]]) -> str:
@@ -272,7 +270,6 @@ def _import_frameworks(check: Any) -> tuple[Any, Any]:
     the kit does not run on it or its framework fails to import.
     """
     from keras_mirror_kit import backends
-    from keras_mirror_kit.workarounds import parse_version
 
     try:
         import keras
@@ -283,7 +280,7 @@ def _import_frameworks(check: Any) -> tuple[Any, Any]:
     name = backends.name()
     # Another supported backend uses TensorFlow for tf.data only; elsewhere it is required.
     _check_tensorflow(check, required=name == "tensorflow" or name not in backends.SUPPORTED)
-    ok = _in_range(parse_version(keras.__version__), SUPPORTED_KERAS)
+    ok = version_in(keras.__version__, SUPPORTED_KERAS)
     check(
         "keras",
         "ok" if ok else "fail",
@@ -307,7 +304,6 @@ def _import_frameworks(check: Any) -> tuple[Any, Any]:
 
 def _check_tensorflow(check: Any, *, required: bool) -> None:
     """TensorFlow's version; on another backend it is optional (the tf.data pipeline)."""
-    from keras_mirror_kit.workarounds import parse_version
 
     try:
         import tensorflow as tf
@@ -322,7 +318,7 @@ def _check_tensorflow(check: Any, *, required: bool) -> None:
                 "(kmk.make_dataset); feed NumPy arrays or a generator instead",
             )
         return
-    ok = _in_range(parse_version(tf.__version__), SUPPORTED_TENSORFLOW)
+    ok = version_in(tf.__version__, SUPPORTED_TENSORFLOW)
     use = "" if required else "; on this backend only for tf.data (kmk.make_dataset)"
     check(
         "tensorflow",

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror_kit.data.pipeline import _multi_worker_expected, build_dataset
+from keras_mirror_kit.data.pipeline import build_dataset, multi_worker_expected
 
 __all__ = ["image_dataset_from_directory", "text_dataset_from_directory"]
 
@@ -109,7 +109,7 @@ def _index(
     from keras.src.utils import dataset_utils
 
     dataset_utils.check_validation_split_arg(validation_split, subset, shuffle, seed)
-    if seed is None and shuffle and _multi_worker_expected():
+    if seed is None and shuffle and multi_worker_expected():
         raise ValueError(
             "A multi-worker run needs the same `seed` on every worker (each worker indexes "
             "and shuffles the files itself). Received: seed=None"

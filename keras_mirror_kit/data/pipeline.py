@@ -35,19 +35,22 @@ from keras_mirror_kit.data.preprocess import (
 from keras_mirror_kit.data.samples import BATCH_DOMAIN, apply_keyed
 from keras_mirror_kit.data.sharding import record_part, worker_slice
 from keras_mirror_kit.data.sources import indexed_dataset, to_tensors
+from keras_mirror_kit.multi_worker import cluster
 from keras_mirror_kit.validation import check_bool, non_negative_int, positive_int
 
-__all__ = ["build_dataset", "finish_dataset", "make_dataset", "resolve_seed"]
+__all__ = [
+    "build_dataset",
+    "finish_dataset",
+    "make_dataset",
+    "multi_worker_expected",
+    "resolve_seed",
+]
 
 
-def _multi_worker_expected() -> bool:
-    if tf.distribute.has_strategy() and isinstance(
-        tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy
-    ):
-        return True
-    from keras_mirror_kit.multi_worker.cluster import tf_config_num_workers
-
-    return tf_config_num_workers() > 1
+def multi_worker_expected() -> bool:
+    """Whether this process trains with other workers (the strategy in scope or the cluster)."""
+    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    return cluster.multi_worker_expected(strategy)
 
 
 def make_dataset(
@@ -266,7 +269,7 @@ def resolve_seed(seed: Any, shuffle: bool, who: str) -> tuple[int, bool]:
     """`(seed, seed_given)`: the seed checked, or one drawn at random (not multi-worker)."""
     if seed is not None:
         return non_negative_int("seed", seed), True
-    if shuffle and _multi_worker_expected():
+    if shuffle and multi_worker_expected():
         raise ValueError(
             f"{who}() needs a `seed` in a multi-worker run: every worker must shuffle "
             "in the same order before the data is sharded, or the workers' slices of a "

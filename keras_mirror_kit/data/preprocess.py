@@ -5,7 +5,7 @@ kmk.distributed(...)`), `rescale()` (and any per-sample function given with
 `preprocess_on="replica"`) runs on each replica's device instead of the input pipeline: the
 model's `fit`, `evaluate` and `predict` iterate a twin of the dataset that yields the stored
 dtype (same cursor, same order; a `ReplicaVariant`) and apply `preprocess` at the start of
-every replica step (`keras_mirror_kit.replica_preprocess`). Every other consumer iterates
+every replica step (`backends.tensorflow_preprocess`). Every other consumer iterates
 the dataset itself and sees the host-preprocessed batches, so its results never change.
 """
 

@@ -17,12 +17,13 @@ discards. The samples each worker decodes are disjoint, and together they are th
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import tensorflow as tf
+
+from keras_mirror_kit.multi_worker.cluster import cluster_place, local_replicas
 
 __all__ = ["WorkerSlice", "fill_batch", "own_range", "part_of", "record_part", "worker_slice"]
 
@@ -42,24 +43,15 @@ def _replicas_per_worker(num_workers: int) -> int:
         strategy = tf.distribute.get_strategy()
         if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
             return max(1, strategy.num_replicas_in_sync // num_workers)
-    from keras_mirror_kit.distribution import distributions_alive
-
-    for distribution in distributions_alive():
-        if distribution.num_workers == num_workers:
-            return max(1, distribution.num_replicas // num_workers)
+    known = local_replicas(num_workers)
+    if known is not None:
+        return max(1, known)
     return max(1, len(tf.config.get_visible_devices("GPU")))
 
 
 def worker_slice() -> WorkerSlice | None:
     """This worker's `WorkerSlice` in a multi-worker run (TF_CONFIG or Slurm), else None."""
-    from keras_mirror_kit.multi_worker.cluster import parse_tf_config, slurm_num_tasks
-
-    config = parse_tf_config()
-    if config is not None:
-        num_workers, rank = config.num_workers, config.rank
-    else:
-        num_workers = slurm_num_tasks()
-        rank = int(os.environ.get("SLURM_PROCID", "0")) if num_workers else None
+    num_workers, rank = cluster_place()
     if num_workers <= 1 or rank is None:
         return None
     return WorkerSlice(rank, num_workers, _replicas_per_worker(num_workers))

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import socket
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,10 +50,15 @@ __all__ = [
     "READY_FILE_ENV",
     "SLURM_PORT_BASE_ENV",
     "TFConfig",
+    "cluster_place",
     "create_strategy",
+    "local_replicas",
+    "multi_worker_expected",
+    "note_local_replicas",
     "parse_tf_config",
     "slurm_cluster_resolver",
     "slurm_num_tasks",
+    "strategy_workers",
     "tf_config_num_workers",
 ]
 
@@ -240,15 +246,51 @@ def parse_tf_config(raw: str | None = None) -> TFConfig | None:
     return TFConfig(cluster, task_type, index)
 
 
-def tf_config_num_workers() -> int:
-    """Training tasks (chief + workers) in `TF_CONFIG`, else in the Slurm job step, else 0.
+def cluster_place() -> tuple[int, int | None]:
+    """`(training tasks, this task's rank)` per `TF_CONFIG`, else the Slurm job step.
 
-    A set but invalid `TF_CONFIG` raises `ValueError` (see `parse_tf_config`).
+    `(0, None)` outside a cluster; the rank is None when `TF_CONFIG` names no task. A set but
+    invalid `TF_CONFIG` raises `ValueError` (see `parse_tf_config`).
     """
     config = parse_tf_config()
-    if config is None:
-        return slurm_num_tasks()
-    return config.num_workers
+    if config is not None:
+        return config.num_workers, config.rank
+    tasks = slurm_num_tasks()
+    return (tasks, int(os.environ.get("SLURM_PROCID", "0"))) if tasks else (0, None)
+
+
+def tf_config_num_workers() -> int:
+    """Training tasks (chief + workers) in `TF_CONFIG`, else in the Slurm job step, else 0."""
+    return cluster_place()[0]
+
+
+def strategy_workers(strategy: Any) -> int:
+    """Worker processes of a `tf.distribute` strategy (1 unless multi-worker; None: 1)."""
+    extended = getattr(strategy, "extended", None)
+    return int(getattr(extended, "_num_workers", 1) or 1)
+
+
+def multi_worker_expected(strategy: Any = None) -> bool:
+    """Whether this process trains with other workers: `strategy` says so, or the cluster."""
+    return strategy_workers(strategy) > 1 or tf_config_num_workers() > 1
+
+
+# Replicas per worker of the kit's live setups (`Distribution`s, by weak reference), for
+# the input pipeline, which sits below them (`data.sharding`).
+_LOCAL_REPLICAS: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def note_local_replicas(owner: Any, num_workers: int, replicas_per_worker: int) -> None:
+    """Records that `owner` (while alive) trains on `num_workers` x `replicas_per_worker`."""
+    _LOCAL_REPLICAS[owner] = (num_workers, replicas_per_worker)
+
+
+def local_replicas(num_workers: int) -> int | None:
+    """Replicas per worker of a live setup over `num_workers` workers, or None."""
+    for workers, replicas in list(_LOCAL_REPLICAS.values()):
+        if workers == num_workers:
+            return replicas
+    return None
 
 
 def slurm_num_tasks(environ: Mapping[str, str] | None = None) -> int:

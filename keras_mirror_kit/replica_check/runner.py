@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from keras_mirror_kit import backends
+from keras_mirror_kit.named_objects import resolve
 from keras_mirror_kit.replica_check import specs
 from keras_mirror_kit.replica_check.causes import state_causes
 from keras_mirror_kit.replica_check.record import ReplicaCause, ReplicaCheck, compare_variables
@@ -166,7 +167,7 @@ def check_replicas(
 def _reference(argument: str, value: Any) -> tuple[Any, dict[str, str]]:
     """(the object, how the child finds it) for a spec string or an object with a name."""
     if isinstance(value, str):
-        obj = specs.resolve_spec(value, argument)
+        obj = resolve(value, argument)
         module, _, qualname = value.partition(":")
         return obj, {"module": module, "qualname": qualname}
     return value, specs.reference_of(value, argument)

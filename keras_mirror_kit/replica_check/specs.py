@@ -5,79 +5,25 @@ for an object its `__module__` and `__qualname__`. A function of the script bein
 (`__main__`) is found as `multiprocessing`'s spawn start method finds it: the child runs
 the script file under another `__name__`, so its `if __name__ == "__main__":` block does
 not run again (and a script that calls `check_replicas` outside such a block is refused in
-the child, rather than starting children without end). Modules are imported with the
-current directory first on `sys.path`, as `python -m` would.
+the child, rather than starting children without end). A spec is read by
+`keras_mirror_kit.named_objects`, the one reader of `"module:name"`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
 import runpy
 import sys
-from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["CHILD_ENV", "SCRIPT_RUN_NAME", "load", "reference_of", "resolve_spec"]
+from keras_mirror_kit.named_objects import find_attribute, resolve
+
+__all__ = ["CHILD_ENV", "SCRIPT_RUN_NAME", "load", "reference_of"]
 
 #: Set in the check's child process; `check_replicas` refuses to run where it is set.
 CHILD_ENV = "KMK_REPLICA_CHECK_CHILD"
 #: The `__name__` a script runs under when the child loads a factory defined in it.
 SCRIPT_RUN_NAME = "__kmk_replica_check__"
-
-
-@contextlib.contextmanager
-def _cwd_on_path() -> Iterator[None]:
-    cwd = os.getcwd()
-    added = cwd not in sys.path and "" not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        yield
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
-
-
-def _walk(root: Any, qualname: str, where: str, argument: str, spec: str) -> Any:
-    value = root
-    for part in qualname.split("."):
-        try:
-            value = value[part] if isinstance(value, dict) else getattr(value, part)
-        except (AttributeError, KeyError):
-            raise ValueError(
-                f"{where} has no attribute {qualname!r} (looked up for `{argument}`). Check "
-                f"the name after the colon. Received: {argument}={spec!r}"
-            ) from None
-    return value
-
-
-def _import(module_name: str, argument: str, spec: str) -> Any:
-    with _cwd_on_path():
-        try:
-            return importlib.import_module(module_name)
-        except Exception as err:
-            raise ValueError(
-                f"Cannot import the module {module_name!r} named by `{argument}` (looked in "
-                f"the current directory {os.getcwd()} and on sys.path): "
-                f"{type(err).__name__}: {err}. Received: {argument}={spec!r}"
-            ) from err
-
-
-def resolve_spec(spec: str, argument: str) -> Any:
-    """The object a `"module:name"` spec names (`ValueError` for a bad spec or name)."""
-    if not isinstance(spec, str):
-        raise TypeError(f"`{argument}` must be a string. Received: {argument}={spec!r}")
-    module_name, colon, qualname = spec.partition(":")
-    if not colon or not module_name or not qualname:
-        raise ValueError(
-            f"`{argument}` must be 'module:name', the module importable from the current "
-            f"directory and the name defined in it, e.g. 'train:build_model'. "
-            f"Received: {argument}={spec!r}"
-        )
-    module = _import(module_name, argument, spec)
-    return _walk(module, qualname, f"The module {module_name!r}", argument, spec)
 
 
 def reference_of(obj: Any, argument: str) -> dict[str, str]:
@@ -107,7 +53,7 @@ def reference_of(obj: Any, argument: str) -> dict[str, str]:
         return {"path": os.path.abspath(path), "qualname": qualname}
     module = sys.modules.get(module_name)
     spec = f"{module_name}:{qualname}"
-    found = _walk(module, qualname, f"The module {module_name!r}", argument, spec)
+    found = find_attribute(module, qualname, f"The module {module_name!r}", argument, spec)
     # `distributed(...)(build)` kept under another name: its name finds the function itself,
     # and the decorator's options travel apart (`samples.FactorySettings`).
     if found is not obj and found is not getattr(obj, "__wrapped__", None):
@@ -125,5 +71,5 @@ def load(reference: dict[str, str], argument: str) -> Any:
     if "path" in reference:
         path = reference["path"]
         namespace = runpy.run_path(path, run_name=SCRIPT_RUN_NAME)
-        return _walk(namespace, qualname, f"The script {path!r}", argument, qualname)
-    return resolve_spec(f"{reference['module']}:{qualname}", argument)
+        return find_attribute(namespace, qualname, f"The script {path!r}", argument, qualname)
+    return resolve(f"{reference['module']}:{qualname}", argument)

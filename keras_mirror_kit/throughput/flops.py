@@ -5,10 +5,10 @@
 with the counter of the Keras backend it runs on, asked through
 `keras_mirror_kit.backends.current()`:
 
-* TensorFlow (`flops_tf`): the traced graph, with TensorFlow's own FLOP statistics and
-  the kit's exact multiply-add formulas for convolution gradients, batched matmuls and
-  einsums;
-* JAX (`flops_jax`): XLA's cost analysis of `jax.jit(jax.grad(loss)).lower(...)`.
+* TensorFlow (`backends/tensorflow_flops.py`): the traced graph, with TensorFlow's own FLOP
+  statistics and the kit's exact multiply-add formulas for convolution gradients, batched
+  matmuls and einsums;
+* JAX (`backends/jax_flops.py`): XLA's cost analysis of `jax.jit(jax.grad(loss)).lower(...)`.
 
 On both a multiply-add is 2 FLOPs, the first layer's input gradient is not counted (the data
 needs none) and the count per sample is the difference between two batch sizes. They differ
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from keras_mirror_kit import backends
-from keras_mirror_kit.throughput.flop_count import FlopCount, model_compute_dtype
+from keras_mirror_kit.backends.flop_count import FlopCount, model_compute_dtype
 
 __all__ = [
     "FlopCount",

@@ -52,13 +52,26 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["inner_optimizer", "keras_version_in", "parse_version", "tf_optimizer_class"]
+__all__ = [
+    "inner_optimizer",
+    "keras_version_in",
+    "parse_version",
+    "tf_optimizer_class",
+    "version_in",
+]
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
     """The first three numbers of a version, zero-filled: `"2.21.0rc1"` -> `(2, 21, 0)`."""
     numbers = [int(part) for part in re.findall(r"\d+", text)[:3]]
     return tuple((numbers + [0, 0, 0])[:3])  # type: ignore[return-value]
+
+
+def version_in(version: str | tuple[int, ...], bounds: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether `version` (text or numbers) is in `low <= v < high`, all zero-filled to three."""
+    numbers = parse_version(version) if isinstance(version, str) else tuple(version)
+    low, high = ((*b, 0, 0, 0)[:3] for b in bounds)
+    return low <= (*numbers, 0, 0, 0)[:3] < high
 
 
 def keras_version_in(
@@ -72,8 +85,7 @@ def keras_version_in(
         import keras
 
         keras_version = keras.__version__
-    low, high = tested
-    return low <= parse_version(keras_version) < high
+    return version_in(keras_version, tested)
 
 
 def inner_optimizer(optimizer: Any) -> Any:

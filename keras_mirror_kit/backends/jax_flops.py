@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from keras_mirror_kit.throughput.flop_count import FlopCount, compiled_loss
+from keras_mirror_kit.backends.flop_count import FlopCount, compiled_loss
 
 __all__ = ["count_training_flops", "model_input_shapes"]
 

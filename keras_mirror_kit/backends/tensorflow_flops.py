@@ -45,7 +45,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit.throughput.flop_count import FlopCount, compiled_loss
+from keras_mirror_kit.backends.flop_count import FlopCount, compiled_loss
 
 __all__ = ["count_training_flops", "model_input_specs"]
 

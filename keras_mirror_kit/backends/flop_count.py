@@ -1,7 +1,7 @@
 """What a FLOP count is (`FlopCount`) and the compute dtype it is compared at, on any backend.
 
-Kept apart from `flops` (the public entry, which asks the backend) and from the backends'
-counters (`flops_tf`, `flops_jax`), which all use it: no framework is imported here.
+Kept apart from `throughput.flops` (the public entry, which asks the backend) and from
+the backends' counters (`tensorflow_flops`, `jax_flops`), which all use it: no framework.
 """
 
 from __future__ import annotations
