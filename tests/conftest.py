@@ -10,8 +10,8 @@ GPUs are hidden (`CUDA_VISIBLE_DEVICES=-1`, inherited by every subprocess, and
 `set_visible_devices` here), so the suite asserts the same device layouts on a GPU host as
 on a laptop; what the kit does with GPUs is tested with fake device tables.
 
-Every child process a test starts (`subprocess`, through Python's `subprocess.Popen` audit
-event) is counted: each test report carries `("children", n)`, and the run ends with a line
+Every Python child a test starts (`subprocess`, seen through Python's `subprocess.Popen`
+audit event) is counted: each test report carries `("children", n)`, and the run ends with a line
 that says how many children the tests started, and which tests outside the `slow` tier did.
 """
 
@@ -81,19 +81,32 @@ _children_started = [0]
 
 
 def _count_children(event: str, args: tuple) -> None:
+    # Interpreters only (a Python, or a console script beside this one): not `uname -p`.
     if event == "subprocess.Popen":
-        _children_started[0] += 1
+        program = os.fspath(args[0] if args[0] is not None else args[1][0])
+        here = os.path.dirname(sys.executable)
+        if os.path.basename(program).startswith("python") or os.path.dirname(program) == here:
+            _children_started[0] += 1
 
 
 sys.addaudithook(_count_children)
 
 
-@pytest.fixture(autouse=True)
-def count_children(request):
-    """Records on the test's report how many child processes the test started."""
-    before = _children_started[0]
+_children_before: dict[str, int] = {}
+
+
+def pytest_runtest_logstart(nodeid: str, location) -> None:
+    """Notes the count before the test's setup (its module fixtures' children count too)."""
+    _children_before[nodeid] = _children_started[0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Puts the children of setup, call and teardown on the teardown report."""
+    if call.when == "teardown":
+        started = _children_started[0] - _children_before.pop(item.nodeid, _children_started[0])
+        item.user_properties.append(("children", started))
     yield
-    request.node.user_properties.append(("children", _children_started[0] - before))
 
 
 _children_by_test: dict[str, tuple[int, bool]] = {}  # in the controller: nodeid -> (n, slow)

@@ -173,7 +173,7 @@ def test_hierarchical_copy_rejects_odd_counts_and_auto_avoids_them():
 
 THREE_REPLICAS = """
 import json, tensorflow as tf, keras_mirror_kit as kmk
-kmk.devices.configure_from_environment()  # KMK_SIMULATE_REPLICAS=3: three logical CPUs
+kmk.backends.configure_from_environment()  # KMK_SIMULATE_REPLICAS=3: three logical CPUs
 names = [d.name for d in tf.config.list_logical_devices("CPU")]
 strategy = tf.distribute.MirroredStrategy(names,
                                           cross_device_ops=tf.distribute.HierarchicalCopyAllReduce())

@@ -197,23 +197,29 @@ def test_every_public_name_resolves_and_distributed_stays_the_decorator() -> Non
     assert result["subs"] == {n: f"keras_mirror_kit.{n}" for n in result["subs"]}
 
 
+@pytest.fixture(scope="module")
+def warmup_model_file(tmp_path_factory) -> Path:
+    """A `.keras` file whose optimizer uses `WarmupSchedule` (written in this process)."""
+    import keras
+
+    from keras_mirror_kit.schedules import WarmupSchedule
+
+    path = tmp_path_factory.mktemp("warmup") / "model.keras"
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(
+        optimizer=keras.optimizers.SGD(WarmupSchedule(0.1, warmup_steps=5)), loss="mse"
+    )
+    model.save(path)
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("keras_first", [False, True])
 def test_warmup_schedule_loads_from_a_keras_file_after_a_plain_import(
-    tmp_path: Path, keras_first: bool
+    warmup_model_file: Path, keras_first: bool
 ) -> None:
-    path = tmp_path / "model.keras"
-    run_python(
-        f"""
-        import keras
-        from keras_mirror_kit.schedules import WarmupSchedule
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.SGD(WarmupSchedule(0.1, warmup_steps=5)),
-                      loss="mse")
-        model.save({str(path)!r})
-        """,
-        timeout=300,
-    )
+    # Loaded in a fresh interpreter: only there is the import order the user's own.
+    path = warmup_model_file
     imports = (
         "import keras\nimport keras_mirror_kit"
         if keras_first

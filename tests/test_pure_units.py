@@ -17,6 +17,7 @@ import types
 
 import pytest
 
+from keras_mirror_kit.callbacks.keras_loop import steps_done
 from keras_mirror_kit.checkpoint.best import BestKeeper, best_entries, check_best_args
 from keras_mirror_kit.checkpoint.meta import ManifestEntry, Score
 from keras_mirror_kit.checkpoint.preemption import parse_signals
@@ -211,6 +212,14 @@ def test_version_ranges_compare_zero_filled_numbers_low_inclusive_high_exclusive
     assert version_in("3.15.2", tested) and not version_in("3.16.0", tested)
 
 
+def test_steps_done_counts_from_the_reported_batch_and_stops_at_the_epochs_end():
+    assert steps_done(0, 6) == 1 and steps_done(5, 6) == 6
+    assert steps_done(2, 6, offset=3) == 6  # a resumed epoch: 3 batches were skipped
+    # steps_per_execution=4 over 6 batches: Keras reports batch 7 for the second execution.
+    assert steps_done(7, 6) == 6
+    assert steps_done(41, None) == 42  # an epoch of unknown length is never capped
+
+
 @pytest.mark.slow  # a child interpreter
 def test_nothing_here_loads_tensorflow():
     code = (
@@ -218,6 +227,7 @@ def test_nothing_here_loads_tensorflow():
         "import keras_mirror_kit.checkpoint.best, keras_mirror_kit.checkpoint.meta\n"
         "import keras_mirror_kit.checkpoint.preemption, keras_mirror_kit.named_objects\n"
         "import keras_mirror_kit.multi_worker.cluster, keras_mirror_kit.workarounds\n"
+        "import keras_mirror_kit.callbacks.keras_loop\n"
         "print('tensorflow' in sys.modules, 'keras' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import keras
+if TYPE_CHECKING:  # imported where the list is looked for: steps_done needs no Keras
+    import keras
 
 __all__ = ["find_callback_list", "steps_done"]
 
@@ -21,6 +22,8 @@ def find_callback_list(
     `fit()` still runs. The walk starts at the caller of the hook that calls this (the
     `CallbackList` method) and looks at `max_frames` frames; None for a hand-driven loop.
     """
+    import keras
+
     frame = sys._getframe(2)  # noqa: SLF001
     for _ in range(max_frames):
         if frame is None:

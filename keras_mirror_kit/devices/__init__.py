@@ -41,7 +41,6 @@ from keras_mirror_kit.devices.replicas import (
 )
 from keras_mirror_kit.devices.replicas import (
     SIMULATE_REPLICAS_ENV,
-    configure_from_environment,
     replica_devices,
     simulate_replicas,
 )
@@ -50,7 +49,6 @@ __all__ = [
     "CROSS_DEVICE_OPS",
     "SIMULATE_REPLICAS_ENV",
     "choose_cross_device_ops",
-    "configure_from_environment",
     "describe_gpus",
     "device_table",
     "gpu_report",

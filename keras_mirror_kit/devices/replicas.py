@@ -8,7 +8,6 @@ devices, which is also when the `KMK_SIMULATE_REPLICAS` environment variable is 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -17,7 +16,6 @@ from keras_mirror_kit.validation import pick_devices, positive_int
 
 __all__ = [
     "SIMULATE_REPLICAS_ENV",
-    "configure_from_environment",
     "replica_devices",
     "simulate_replicas",
 ]
@@ -83,26 +81,6 @@ def simulate_replicas(
         physical[0].name,
         f" ({hidden} other GPU(s) hidden from this process)" if hidden else "",
     )
-
-
-def configure_from_environment() -> None:
-    """Applies `KMK_SIMULATE_REPLICAS=n` if set (`ValueError` unless a positive integer)."""
-    raw = os.environ.get(SIMULATE_REPLICAS_ENV, "").strip()
-    if not raw:
-        return
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(
-            f"The environment variable {SIMULATE_REPLICAS_ENV} must be a positive integer. "
-            f"Received: {SIMULATE_REPLICAS_ENV}={raw!r}"
-        ) from None
-    if n <= 0:
-        raise ValueError(
-            f"The environment variable {SIMULATE_REPLICAS_ENV} must be a positive integer. "
-            f"Received: {SIMULATE_REPLICAS_ENV}={raw!r}"
-        )
-    simulate_replicas(n)
 
 
 def _canonical(name: str) -> tuple[str, int]:

@@ -151,7 +151,8 @@ def _save(path: str, values: list[Any]) -> None:
 def _one_replica(job: dict[str, Any], job_dir: str) -> dict[str, Any]:
     import numpy as np
 
-    from keras_mirror_kit.devices import configure_from_environment, replica_devices
+    from keras_mirror_kit.backends import configure_from_environment
+    from keras_mirror_kit.devices import replica_devices
     from keras_mirror_kit.replica_check import causes, specs
     from keras_mirror_kit.replica_check.samples import (
         FactorySettings,
