@@ -15,6 +15,7 @@ imported, so a `.keras` file that uses it loads after a plain `import keras_mirr
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.util
@@ -122,16 +123,24 @@ _SUBMODULES = frozenset({"datasets", "models"})
 def _lazy_table() -> dict[str, str]:
     """Public name -> its module, read from the `TYPE_CHECKING` imports (the one list)."""
     import ast
-    from pathlib import Path
 
-    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
-    block = next(
-        n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
-    )
+    source = None
+    with contextlib.suppress(Exception):  # no loader, or one without the source
+        source = __loader__.get_source(__name__)  # type: ignore[name-defined]
+    if source is None:
+        raise ImportError(
+            "keras_mirror_kit reads its public names from the source of its __init__.py, "
+            "which this installation does not have (a bytecode-only or frozen copy). "
+            "Reinstall it from the wheel or sdist (pip install keras-mirror-kit). "
+            f"Received: __file__={globals().get('__file__')!r}"
+        )
+    tree = ast.parse(source)
     return {
         alias.name: f"{node.module}.{alias.name}"
         if alias.name in _SUBMODULES
         else str(node.module)
+        for block in tree.body
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
         for node in block.body
         if isinstance(node, ast.ImportFrom)
         for alias in node.names

@@ -3,8 +3,9 @@
 `kmk.restore`/`export_checkpoint` (`--model` of `keras-mirror-kit ckpt`), `check_replicas`
 and `keras-mirror-kit doctor` name a user's factory or data this way. The module is imported
 with the current directory first on `sys.path`, as `python -m` would; a `.py` file is run
-under another `__name__` than `"__main__"`, so its `if __name__ == "__main__":` block does
-not run. The name after the colon may be dotted (`module:Class.method`).
+once per process (as a module is imported once) under another `__name__` than
+`"__main__"`, so its `if __name__ == "__main__":` block does not run. The name after the
+colon may be dotted (`module:Class.method`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = ["FILE_RUN_NAME", "find_attribute", "resolve"]
 
 #: The `__name__` a `.py` file named by a spec runs under.
 FILE_RUN_NAME = "__kmk_named_file__"
+_FILES: dict[str, dict[str, Any]] = {}  # the namespace of each file run, by its real path
 
 
 @contextlib.contextmanager
@@ -54,9 +56,12 @@ def _import(module_name: str, argument: str, spec: str) -> Any:
     with _cwd_on_path():
         try:
             if module_name.endswith(".py"):
-                if not os.path.isfile(module_name):
-                    raise FileNotFoundError(f"no such file: {os.path.abspath(module_name)}")
-                return runpy.run_path(module_name, run_name=FILE_RUN_NAME)
+                path = os.path.realpath(module_name)
+                if not os.path.isfile(path):
+                    raise FileNotFoundError(f"no such file: {path}")
+                if path not in _FILES:  # run once per process, as an import would be
+                    _FILES[path] = runpy.run_path(path, run_name=FILE_RUN_NAME)
+                return _FILES[path]
             return importlib.import_module(module_name)
         except Exception as err:
             raise ValueError(

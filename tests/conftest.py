@@ -11,8 +11,9 @@ GPUs are hidden (`CUDA_VISIBLE_DEVICES=-1`, inherited by every subprocess, and
 on a laptop; what the kit does with GPUs is tested with fake device tables.
 
 Every Python child a test starts (`subprocess`, seen through Python's `subprocess.Popen`
-audit event) is counted: each test report carries `("children", n)`, and the run ends with a line
-that says how many children the tests started, and which tests outside the `slow` tier did.
+audit event) is counted: each test's teardown report carries `("children", n)` (a module
+fixture's children count for the first test that uses it), and the run ends with a line that
+says how many children the tests started, and which tests outside the `slow` tier did.
 """
 
 from __future__ import annotations
@@ -82,11 +83,18 @@ _children_started = [0]
 
 def _count_children(event: str, args: tuple) -> None:
     # Interpreters only (a Python, or a console script beside this one): not `uname -p`.
-    if event == "subprocess.Popen":
-        program = os.fspath(args[0] if args[0] is not None else args[1][0])
+    # An audit hook's exception would reach the Popen it watches: it never raises.
+    if event != "subprocess.Popen":
+        return
+    try:
+        command = args[1]
+        first = command if isinstance(command, (str, bytes, os.PathLike)) else command[0]
+        program = os.fsdecode(args[0] if args[0] is not None else first)
         here = os.path.dirname(sys.executable)
         if os.path.basename(program).startswith("python") or os.path.dirname(program) == here:
             _children_started[0] += 1
+    except Exception:  # noqa: BLE001 (counting must never break a test's child)
+        pass
 
 
 sys.addaudithook(_count_children)
@@ -125,6 +133,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     fast = sorted(k for k, (_, slow) in started.items() if not slow)
     terminalreporter.write_line(
         f"child processes started: {sum(n for n, _ in started.values())}, by {len(started)} "
-        "tests" + (f"; outside the slow tier: {', '.join(fast[:5])}" if fast else "")
+        "tests"
+        + (f"; outside the slow tier: {', '.join(fast[:5])}" if fast else "")
         + (f" and {len(fast) - 5} more" if len(fast) > 5 else "")
     )

@@ -1,6 +1,8 @@
 """Resumes several checkpoint directories in one process (one fresh model each).
 
 Usage: python -m tests.resume_many OUT_JSON DIR [DIR ...]
+
+A DIR given as `async:DIR` resumes with `SyncedCheckpoint(async_save=True)`.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ def main() -> int:
     from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
     from tests.ckpt_helpers import CountBatches, build, dataset
 
-    out, directories = sys.argv[1], sys.argv[2:]
+    out, given = sys.argv[1], sys.argv[2:]
     results = {}
-    for i, directory in enumerate(directories):
+    for i, spec in enumerate(given):
+        async_save = spec.startswith("async:")
+        directory = spec.removeprefix("async:")
         # A restarted job: with nothing to resume from it starts as the original did (the
         # deterministic setup); with a checkpoint, a different init proves it is replaced.
         has_checkpoint = any(n.startswith("ckpt-") for n in os.listdir(directory))
         model, ds = build("adam", seed=1000 + i if has_checkpoint else 3), dataset()
-        checkpoint = SyncedCheckpoint(directory, save_freq=4, dataset=ds)
+        checkpoint = SyncedCheckpoint(directory, save_freq=4, dataset=ds, async_save=async_save)
         counter = CountBatches()
         model.fit(ds, epochs=3, verbose=0, callbacks=[checkpoint, counter])
         restored = checkpoint.last_restored

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import re
 import sys
@@ -128,6 +129,14 @@ def test_all_names_exactly_the_static_imports_the_lazy_table_is_read_from() -> N
     assert len(kmk.__all__) == len(set(kmk.__all__))
     assert kmk._LAZY["distributed"] == "keras_mirror_kit.distributed"
     assert kmk._LAZY["models"] == "keras_mirror_kit.models"  # a sub-module maps to itself
+    # The table reads only `from module import name` lines: nothing else may stand there.
+    tree = ast.parse((REPO / "keras_mirror_kit" / "__init__.py").read_text(encoding="utf-8"))
+    (block,) = [
+        n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+    ]
+    for statement in block.body:
+        assert isinstance(statement, ast.ImportFrom), ast.unparse(statement)
+        assert all(alias.asname is None for alias in statement.names), ast.unparse(statement)
 
 
 def test_help_and_launch_start_without_tensorflow() -> None:
@@ -206,9 +215,7 @@ def warmup_model_file(tmp_path_factory) -> Path:
 
     path = tmp_path_factory.mktemp("warmup") / "model.keras"
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    model.compile(
-        optimizer=keras.optimizers.SGD(WarmupSchedule(0.1, warmup_steps=5)), loss="mse"
-    )
+    model.compile(optimizer=keras.optimizers.SGD(WarmupSchedule(0.1, warmup_steps=5)), loss="mse")
     model.save(path)
     return path
 

@@ -185,6 +185,9 @@ def test_resolve_finds_module_and_file_names_and_says_what_was_wrong(tmp_path, m
     assert resolve(f"{script}:build", "model")() == "model"
     monkeypatch.chdir(tmp_path)
     assert resolve("train.py:Zoo.make", "model")() == 1
+    assert resolve("train.py:build", "model") is resolve(f"{script}:build", "model")  # run once
+    monkeypatch.setitem(sys.modules, "train", None)  # put back (removed) after the test
+    del sys.modules["train"]
     assert resolve("train:RAN_AS_MAIN", "model") == []  # imported, its main block not run
     cases = [
         ("train", ValueError, r"must be 'module:name'.*Received: model='train'"),

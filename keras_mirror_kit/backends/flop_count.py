@@ -1,7 +1,8 @@
 """What a FLOP count is (`FlopCount`) and the compute dtype it is compared at, on any backend.
 
 Kept apart from `throughput.flops` (the public entry, which asks the backend) and from
-the backends' counters (`tensorflow_flops`, `jax_flops`), which all use it: no framework.
+the backends' counters (`tensorflow_flops`, `jax_flops`), which all use it: it imports
+Keras, not TensorFlow or JAX.
 """
 
 from __future__ import annotations

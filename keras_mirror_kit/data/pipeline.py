@@ -48,9 +48,16 @@ __all__ = [
 
 
 def multi_worker_expected() -> bool:
-    """Whether this process trains with other workers (the strategy in scope or the cluster)."""
-    strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
-    return cluster.multi_worker_expected(strategy)
+    """Whether this process trains with other workers (the strategy in scope or the cluster).
+
+    A `MultiWorkerMirroredStrategy` in scope counts even with one worker: a dataset made
+    under it is meant for a cluster.
+    """
+    if tf.distribute.has_strategy() and isinstance(
+        tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy
+    ):
+        return True
+    return cluster.multi_worker_expected()
 
 
 def make_dataset(

@@ -73,12 +73,12 @@ def _build(settings: Any, global_batch: int, devices: list[str], seed: int) -> A
     """The user's model, built by the kit on `devices`, compiled, with its weights created."""
     import keras
 
-    import keras_mirror_kit as kmk
+    from keras_mirror_kit.distributed import distributed
 
     options = dict(settings.options)
     if not any("GPU" in d.upper() for d in devices):
         options.pop("cross_device_ops", None)  # a GPU all-reduce named for the user's GPUs
-    config = kmk.distributed(
+    config = distributed(
         global_batch_size=global_batch, devices=devices, strategy="mirrored", **options
     )
     factory = config(settings.inner)

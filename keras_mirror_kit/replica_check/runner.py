@@ -66,11 +66,13 @@ def check_replicas(
             would decorate with `@kmk.distributed`), the decorated factory itself (its
             batch size, `sync_batch_norm`, `mixed_precision`, `steps_per_execution`,
             `gradient_accumulation_steps` and learning-rate rule are used; its devices and
-            strategy are the check's), or its name as `"module:function"`.
+            strategy are the check's), or its name as `"module:function"` (or
+            `"path/to/file.py:function"`).
         data: What you give `fit`: arrays as a tuple `(x, y)` or `(x, y, sample_weight)`,
             a `tf.data.Dataset` of batches, a `keras.utils.PyDataset`, a generator of
             batches, a zero-argument function returning one of those, or its name as
-            `"module:function"`. Only the first `steps x batch` samples are used.
+            `"module:function"` (or `"file.py:function"`). Only the first `steps x batch`
+            samples are used.
         steps: Optimizer updates each run trains (with gradient accumulation, that many
             times `gradient_accumulation_steps` batches).
         replicas: N, at least 2 (default: the number of GPUs when there are 2 or more,
@@ -168,7 +170,9 @@ def _reference(argument: str, value: Any) -> tuple[Any, dict[str, str]]:
     """(the object, how the child finds it) for a spec string or an object with a name."""
     if isinstance(value, str):
         obj = resolve(value, argument)
-        module, _, qualname = value.partition(":")
+        module, _, qualname = value.rpartition(":")
+        if module.endswith(".py"):  # the child runs the file as it runs a script of yours
+            return obj, {"path": os.path.abspath(module), "qualname": qualname}
         return obj, {"module": module, "qualname": qualname}
     return value, specs.reference_of(value, argument)
 
