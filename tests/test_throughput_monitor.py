@@ -160,6 +160,7 @@ def test_epoch_figures_are_in_history(two_replica_fit):
         assert history["scaling_efficiency"][e] == pytest.approx(sps / (2 * 1000.0))
 
 
+@pytest.mark.slow  # the module's 3-epoch fit on 2 replicas
 def test_rate_agrees_with_an_independent_measurement(two_replica_fit):
     history, stamps = two_replica_fit["history"], two_replica_fit["stamps"]
     monitor = two_replica_fit["monitor"]
@@ -176,6 +177,7 @@ def test_rate_agrees_with_an_independent_measurement(two_replica_fit):
     assert summary["global_batch_size"] == GBS and summary["num_replicas"] == 2
 
 
+@pytest.mark.slow  # the module's 3-epoch fit on 2 replicas
 def test_batch_logs_every_n_steps(two_replica_fit):
     batch_logs = two_replica_fit["stamps"].batch_logs
     assert len(batch_logs) == 60
@@ -187,6 +189,7 @@ def test_batch_logs_every_n_steps(two_replica_fit):
             assert picked == {}, (epoch, batch)
 
 
+@pytest.mark.slow  # the module's 3-epoch fit on 2 replicas
 def test_last_figures_summary_and_log_line(two_replica_fit):
     history, monitor = two_replica_fit["history"], two_replica_fit["monitor"]
     assert monitor.last == {k: v[-1] for k, v in history.items() if k in monitor.last}
@@ -591,6 +594,7 @@ def peak_notices(records: list[logging.LogRecord]) -> list[str]:
     return [r.getMessage() for r in records if "no peak FLOP/s known" in r.getMessage()]
 
 
+@pytest.mark.slow  # the module's 3-epoch fit on 2 replicas
 def test_flop_figures_are_samples_times_the_kits_count(two_replica_fit):
     history, model = two_replica_fit["history"], two_replica_fit["model"]
     flops = count_training_flops(model).flops_per_sample
