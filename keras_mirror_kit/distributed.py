@@ -254,7 +254,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             return False
         from keras_mirror_kit.multi_worker import cluster
 
-        return cluster.multi_worker_expected()
+        return cluster.tf_config_num_workers() > 1
 
     def __call__(self, factory: Callable[P, R]) -> DistributedFactory[P, R]:
         if not callable(factory):

@@ -146,17 +146,10 @@ def test_a_slurm_step_counts_only_with_every_variable_the_resolver_reads():
     assert cluster.slurm_num_tasks({**_SLURM, "SLURM_STEP_NUM_TASKS": "three"}) == 0
 
 
-def test_workers_of_a_strategy_and_whether_others_are_expected(monkeypatch):
-    monkeypatch.delenv("TF_CONFIG", raising=False)
-    for name in _SLURM:
-        monkeypatch.delenv(name, raising=False)
+def test_workers_of_a_strategy_count_only_a_multi_worker_one():
     multi = types.SimpleNamespace(extended=types.SimpleNamespace(_num_workers=4))
     single = types.SimpleNamespace(extended=types.SimpleNamespace())
     assert [cluster.strategy_workers(s) for s in (multi, single, None)] == [4, 1, 1]
-    assert cluster.multi_worker_expected(multi)
-    assert not cluster.multi_worker_expected(single)
-    monkeypatch.setenv("TF_CONFIG", _tf_config(2, 0))
-    assert cluster.multi_worker_expected(None)
 
 
 def test_local_replicas_follow_the_live_setups_only():

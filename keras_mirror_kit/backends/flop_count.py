@@ -74,3 +74,22 @@ def compiled_loss(model: keras.Model) -> tuple[Callable | None, str]:
     except (ValueError, TypeError):
         return None, "surrogate"
     return (fn, "compiled") if callable(fn) else (None, "surrogate")
+
+
+def label_layout(
+    model: keras.Model, inputs: Any, loss_fn: Callable, batch: int
+) -> tuple[tuple[int, ...], bool] | None:
+    """The label batch a counter traces with when none is given: `(shape, class ids?)`.
+
+    From the model's output for `inputs` (KerasTensors, as the backend's counter passes
+    them); None when that fails or the model has several outputs (the surrogate is used).
+    """
+    try:
+        outputs = model.compute_output_spec(*inputs)
+    except Exception:  # noqa: BLE001 - any failure means: labels unknown, use the surrogate
+        return None
+    if isinstance(outputs, (list, tuple, dict)):
+        return None
+    if "sparse" in getattr(loss_fn, "__name__", type(loss_fn).__name__).lower():
+        return (batch,), True
+    return (batch, *tuple(outputs.shape)[1:]), False

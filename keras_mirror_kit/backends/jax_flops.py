@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from keras_mirror_kit.backends.flop_count import FlopCount, compiled_loss
+from keras_mirror_kit.backends.flop_count import FlopCount, compiled_loss, label_layout
 
 __all__ = ["count_training_flops", "model_input_shapes"]
 
@@ -144,16 +144,11 @@ def _label_struct(
     if loss_fn is None:
         return None
     tensors = [keras.KerasTensor(x.shape, dtype=str(x.dtype)) for x in xs]
-    try:
-        outputs = model.compute_output_spec(tensors[0] if len(tensors) == 1 else tensors)
-    except Exception:  # noqa: BLE001 - any failure means: labels unknown, use the surrogate
+    layout = label_layout(model, [tensors[0] if len(tensors) == 1 else tensors], loss_fn, batch)
+    if layout is None:
         return None
-    if isinstance(outputs, (list, tuple, dict)):
-        return None
-    loss_name = getattr(loss_fn, "__name__", type(loss_fn).__name__).lower()
-    if "sparse" in loss_name:
-        return jax.ShapeDtypeStruct((batch,), jnp.int32)
-    return jax.ShapeDtypeStruct((batch, *tuple(outputs.shape)[1:]), jnp.float32)
+    shape, class_ids = layout
+    return jax.ShapeDtypeStruct(shape, jnp.int32 if class_ids else jnp.float32)
 
 
 def _variables(model: keras.Model) -> tuple[list[Any], list[Any]]:

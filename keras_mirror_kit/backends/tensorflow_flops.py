@@ -45,7 +45,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit.backends.flop_count import FlopCount, compiled_loss
+from keras_mirror_kit.backends.flop_count import FlopCount, compiled_loss, label_layout
 
 __all__ = ["count_training_flops", "model_input_specs"]
 
@@ -171,16 +171,11 @@ def _label_spec(
         return tf.TensorSpec((batch, *tuple(given.shape)[1:]), given.dtype)
     if loss_fn is None:
         return None
-    try:
-        outputs = model.compute_output_spec(*_keras_tensors(x_specs))
-    except Exception:  # noqa: BLE001 - any failure means: labels unknown, use the surrogate
+    layout = label_layout(model, _keras_tensors(x_specs), loss_fn, batch)
+    if layout is None:
         return None
-    if isinstance(outputs, (list, tuple, dict)):
-        return None
-    loss_name = getattr(loss_fn, "__name__", type(loss_fn).__name__).lower()
-    if "sparse" in loss_name:
-        return tf.TensorSpec((batch,), tf.int32)
-    return tf.TensorSpec((batch, *tuple(outputs.shape)[1:]), tf.float32)
+    shape, class_ids = layout
+    return tf.TensorSpec(shape, tf.int32 if class_ids else tf.float32)
 
 
 def _keras_tensors(specs: list[tf.TensorSpec]) -> list[Any]:

@@ -57,7 +57,7 @@ def multi_worker_expected() -> bool:
         tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy
     ):
         return True
-    return cluster.multi_worker_expected()
+    return cluster.tf_config_num_workers() > 1
 
 
 def make_dataset(

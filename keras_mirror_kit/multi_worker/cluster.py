@@ -53,7 +53,6 @@ __all__ = [
     "cluster_place",
     "create_strategy",
     "local_replicas",
-    "multi_worker_expected",
     "note_local_replicas",
     "parse_tf_config",
     "slurm_cluster_resolver",
@@ -268,11 +267,6 @@ def strategy_workers(strategy: Any) -> int:
     """Worker processes of a `tf.distribute` strategy (1 unless multi-worker; None: 1)."""
     extended = getattr(strategy, "extended", None)
     return int(getattr(extended, "_num_workers", 1) or 1)
-
-
-def multi_worker_expected(strategy: Any = None) -> bool:
-    """Whether this process trains with other workers: `strategy` says so, or the cluster."""
-    return strategy_workers(strategy) > 1 or tf_config_num_workers() > 1
 
 
 # Replicas per worker of the kit's live setups (`Distribution`s, by weak reference), for
