@@ -11,9 +11,11 @@ GPUs are hidden (`CUDA_VISIBLE_DEVICES=-1`, inherited by every subprocess, and
 on a laptop; what the kit does with GPUs is tested with fake device tables.
 
 Every Python child a test starts (`subprocess`, seen through Python's `subprocess.Popen`
-audit event) is counted: each test's teardown report carries `("children", n)` (a module
-fixture's children count for the first test that uses it), and the run ends with a line that
-says how many children the tests started, and which tests outside the `slow` tier did.
+audit event, which `tests/forkserver.py` raises for the children it forks) is counted: each
+test's teardown report carries `("children", n)` and `("forked", m)` (a module fixture's
+children count for the first test that uses it), and the run ends with a line that says
+how many children the tests started, how many were forked, and which tests outside the
+`slow` tier started any.
 """
 
 from __future__ import annotations
@@ -79,11 +81,14 @@ def tensorflow_test_bed():
 
 
 _children_started = [0]
+_children_forked = [0]  # of those, forked by tests/forkserver.py (its "kmk.test.fork" event)
 
 
 def _count_children(event: str, args: tuple) -> None:
     # Interpreters only (a Python, or a console script beside this one): not `uname -p`.
     # An audit hook's exception would reach the Popen it watches: it never raises.
+    if event == "kmk.test.fork":
+        _children_forked[0] += 1
     if event != "subprocess.Popen":
         return
     try:
@@ -93,6 +98,10 @@ def _count_children(event: str, args: tuple) -> None:
         here = os.path.dirname(sys.executable)
         if os.path.basename(program).startswith("python") or os.path.dirname(program) == here:
             _children_started[0] += 1
+            if os.environ.get("KMK_TEST_FORK_LOG"):  # which children, for tests/forkserver.py
+                with open(os.environ["KMK_TEST_FORK_LOG"], "a", encoding="utf-8") as log:
+                    shown = [os.fsdecode(a)[:120] for a in command] if first is not command else []
+                    log.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}\t{shown}\n")
     except Exception:  # noqa: BLE001 (counting must never break a test's child)
         pass
 
@@ -100,40 +109,45 @@ def _count_children(event: str, args: tuple) -> None:
 sys.addaudithook(_count_children)
 
 
-_children_before: dict[str, int] = {}
+_children_before: dict[str, tuple[int, int]] = {}
 
 
 def pytest_runtest_logstart(nodeid: str, location) -> None:
     """Notes the count before the test's setup (its module fixtures' children count too)."""
-    _children_before[nodeid] = _children_started[0]
+    _children_before[nodeid] = (_children_started[0], _children_forked[0])
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Puts the children of setup, call and teardown on the teardown report."""
     if call.when == "teardown":
-        started = _children_started[0] - _children_before.pop(item.nodeid, _children_started[0])
-        item.user_properties.append(("children", started))
+        now = (_children_started[0], _children_forked[0])
+        started, forked = _children_before.pop(item.nodeid, now)
+        item.user_properties.append(("children", now[0] - started))
+        item.user_properties.append(("forked", now[1] - forked))
     yield
 
 
-_children_by_test: dict[str, tuple[int, bool]] = {}  # in the controller: nodeid -> (n, slow)
+_children_by_test: dict[str, tuple[int, int, bool]] = {}  # controller: nodeid -> (n, f, slow)
 
 
 def pytest_runtest_logreport(report) -> None:
     """Collects each test's count (from its teardown report, which xdist sends here too)."""
     if report.when == "teardown":
-        n = dict(report.user_properties).get("children", 0)
-        _children_by_test[report.nodeid] = (n, "slow" in report.keywords)
+        counts = dict(report.user_properties)
+        _children_by_test[report.nodeid] = (
+            counts.get("children", 0), counts.get("forked", 0), "slow" in report.keywords
+        )
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """One line: the children the tests started, and the fast-tier tests among them."""
     started = {k: v for k, v in _children_by_test.items() if v[0]}
-    fast = sorted(k for k, (_, slow) in started.items() if not slow)
+    fast = sorted(k for k, (_, _, slow) in started.items() if not slow)
     terminalreporter.write_line(
-        f"child processes started: {sum(n for n, _ in started.values())}, by {len(started)} "
-        "tests"
+        f"child processes started: {sum(n for n, _, _ in started.values())} "
+        f"({sum(f for _, f, _ in started.values())} forked from the TensorFlow zygote), by "
+        f"{len(started)} tests"
         + (f"; outside the slow tier: {', '.join(fast[:5])}" if fast else "")
         + (f" and {len(fast) - 5} more" if len(fast) > 5 else "")
     )

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests import data_files
+from tests import data_files, forkserver
 from tests.subproc import REPO, last_json
 
 STEPS = 12  # 2 epochs of 6 batches (48 samples, global batch 8)
@@ -37,7 +37,7 @@ def _env() -> dict[str, str]:
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-m", "tests.data_child", *args],
         cwd=REPO,
         env=_env(),

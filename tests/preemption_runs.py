@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from tests import forkserver
 from tests.processes import kill
 from tests.subproc import REPO, last_json
 
@@ -89,7 +90,7 @@ def ckpt_child(directory: Path, out: Path, *extra: str) -> subprocess.Popen[str]
     """Starts tests.ckpt_child for CKPT_EPOCHS epochs, saving every 4 steps."""
     command = [sys.executable, "-m", "tests.ckpt_child", str(directory), str(out)]
     command += ["--epochs", str(CKPT_EPOCHS), "--save-freq", "4", *extra]
-    return subprocess.Popen(
+    return forkserver.popen(
         command,
         cwd=REPO,
         env=_env(KMK_SIMULATE_REPLICAS="2"),
@@ -144,7 +145,7 @@ def mw_args(out: Path, ckpt: Path, *extra: str) -> list[str]:
 
 def mw_reference(out: Path) -> list[np.ndarray]:
     """The uninterrupted run: one process, 2 replicas (equal to 2 workers, tested)."""
-    proc = subprocess.Popen(
+    proc = forkserver.popen(
         [sys.executable, "-m", "tests.mw_child", *mw_args(out, out / "ckpt")],
         cwd=REPO,
         env=_env(KMK_SIMULATE_REPLICAS="2"),
@@ -163,7 +164,7 @@ def launch(out: Path, child_args: list[str], *launcher_args: str) -> subprocess.
     command = [sys.executable, "-m", "keras_mirror_kit.multi_worker.launch", "-n", "2",
                "--grace", "30", "--finish-window", "120", *launcher_args, "-m", "tests.mw_child",
                *child_args]  # fmt: skip
-    proc = subprocess.Popen(
+    proc = forkserver.popen(
         command,
         cwd=REPO,
         env=_env(),

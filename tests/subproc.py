@@ -1,4 +1,9 @@
-"""Run a Python snippet in a fresh interpreter (a fresh TensorFlow runtime), bounded in time."""
+"""Run a Python snippet in a fresh interpreter (a fresh TensorFlow runtime), bounded in time.
+
+The child is forked from a process that has imported TensorFlow (`tests/forkserver.py`)
+where that is the same as a new interpreter; `fresh=True` starts a new interpreter always
+(a test of what an import loads).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import sys
 import textwrap
 from pathlib import Path
 from typing import Any
+
+from tests import forkserver
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -21,6 +28,7 @@ def run_python(
     env: dict[str, str] | None = None,
     check: bool = True,
     cwd: str | Path | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """Runs `code` in a new interpreter; `replicas` sets KMK_SIMULATE_REPLICAS."""
     full_env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO)}
@@ -29,7 +37,7 @@ def run_python(
     if replicas is not None:
         full_env["KMK_SIMULATE_REPLICAS"] = str(replicas)
     full_env.update(env or {})
-    proc = subprocess.run(
+    proc = (subprocess.run if fresh else forkserver.run)(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import forkserver
 from tests.subproc import REPO, last_json
 
 pytestmark = pytest.mark.slow  # every test here starts children or trains for long
@@ -58,7 +59,7 @@ def child(directory, out, *extra, wait=True, async_save=False, backend=None):
         *map(str, extra),
         *(["--async-save"] if async_save else []),
     ]
-    proc = subprocess.Popen(
+    proc = forkserver.popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     if not wait:
@@ -412,7 +413,7 @@ def _kill_and_resume_all(
         leftovers_after_kill.append([n for n in os.listdir(directory) if n.endswith(".tmp")])
     out = tmp_path / "results.json"
     resumed = [("async:" if a else "") + d for d, a in zip(directories, resume_modes)]
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, "-m", "tests.resume_many", str(out), *resumed],
         cwd=REPO,
         env=child_env(backend),

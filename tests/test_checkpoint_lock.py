@@ -23,6 +23,7 @@ from keras_mirror_kit.checkpoint.lock import (
     StaleLockWarning,
 )
 from keras_mirror_kit.checkpoint.store import CheckpointError
+from tests import forkserver
 from tests.ckpt_helpers import CountBatches, build, dataset
 from tests.subproc import REPO
 
@@ -60,7 +61,7 @@ def test_a_second_process_is_refused_and_a_killed_ones_lock_is_taken_over(tmp_pa
     env["KMK_SIMULATE_REPLICAS"] = "2"
     command = [sys.executable, "-m", "tests.ckpt_child", str(directory), str(tmp_path / "w")]
     command += ["--step-marker", "1", "--block-at-marker", "--marker", str(marker)]
-    proc = subprocess.Popen(
+    proc = forkserver.popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:

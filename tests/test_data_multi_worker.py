@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests import data_files
+from tests import data_files, forkserver
 from tests.subproc import REPO
 
 CHILD = "tests.mw_data_child"
@@ -28,7 +28,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _run(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(
+    proc = forkserver.popen(
         command,
         cwd=REPO,
         env=env,

@@ -10,12 +10,12 @@ import importlib.util
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import forkserver
 from tests.subproc import REPO
 
 HEADING = "## One script on both backends"
@@ -58,7 +58,7 @@ def test_the_script_runs_unchanged_on_each_backend(
         PYTHONPATH=str(REPO),
         TF_CPP_MIN_LOG_LEVEL="2",
     )
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, str(script)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

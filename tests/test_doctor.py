@@ -12,13 +12,14 @@ import tomllib
 import pytest
 
 from keras_mirror_kit.cli import doctor
+from tests import forkserver
 from tests import network_modes as modes
 from tests.subproc import REPO
 
 
 def _doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-m", "keras_mirror_kit.cli", "doctor", *args],
         capture_output=True,
         text=True,
@@ -150,7 +151,7 @@ def test_doctor_model_refuses_clearly_on_jax(tmp_path) -> None:
         encoding="utf-8",
     )
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}", "KERAS_BACKEND": "jax"}
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, "-m", "keras_mirror_kit.cli", "doctor", "--model", "train:dense",
          "--data", "train:data"],
         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600, check=False,

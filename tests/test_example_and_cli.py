@@ -12,13 +12,13 @@ import json
 import math
 import os
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
 
 from keras_mirror_kit.cli.tf_start import STARTUP_NOISE
+from tests import forkserver
 from tests.subproc import REPO
 from tests.test_datasets_cifar10 import CAPTIVE_PORTAL, NO_PROXY_ENV, Served, serve, snapshot
 
@@ -34,7 +34,7 @@ def run(args, cwd, timeout=400, env=None):
         **NO_PROXY_ENV,  # the test's servers are on 127.0.0.1, whatever proxy is set
         **(env or {}),
     )
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, *args],
         cwd=cwd,
         env=full_env,

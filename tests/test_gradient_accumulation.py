@@ -27,6 +27,7 @@ from keras_mirror_kit.checkpoint.divergence import check_replicas
 from keras_mirror_kit.checkpoint.state import state_variables
 from keras_mirror_kit.schedules import WarmupSchedule
 from keras_mirror_kit.workarounds import keras_grad_accumulation
+from tests import forkserver
 from tests.ckpt_helpers import StopAt, dataset, max_diff
 from tests.subproc import REPO
 
@@ -263,7 +264,7 @@ def _child(directory, out, *extra):
         sys.executable, "-m", "tests.ckpt_child", str(directory), str(out), "--epochs", "3",
         "--save-freq", "3", "--accumulate", str(ACCUMULATE), *map(str, extra),
     ]  # fmt: skip
-    return subprocess.Popen(
+    return forkserver.popen(
         command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
@@ -298,7 +299,7 @@ def kill_trials(root, trials: int, seed: int = SEED) -> list[dict]:
         assert proc.returncode == -signal.SIGKILL
         directories.append(str(directory))
     out = root / "results.json"
-    done = subprocess.run(
+    done = forkserver.run(
         [sys.executable, "-m", "tests.accum_helpers", str(out), str(ACCUMULATE), *directories],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip

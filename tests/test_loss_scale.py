@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import tensorflow as tf
 
 import keras_mirror_kit as kmk
 from keras_mirror_kit.workarounds import keras_loss_scale
+from tests import forkserver
 
 REPO = Path(__file__).resolve().parent.parent
 INITIAL_SCALE = 2.0**15
@@ -209,7 +209,7 @@ def test_two_workers_agree_when_one_overflows(tmp_path):
     for name in ("TF_CONFIG", "KMK_SIMULATE_REPLICAS", "KMK_KERAS_WORKAROUND"):
         env.pop(name, None)
     env["KMK_COLLECTIVE_TIMEOUT"] = "120"  # a stalled collective fails instead of hanging
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             "-m",

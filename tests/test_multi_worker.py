@@ -29,6 +29,7 @@ from keras_mirror_kit.multi_worker import cluster, launch
 from keras_mirror_kit.multi_worker.cluster import parse_tf_config
 from keras_mirror_kit.multi_worker.launch.options import _split_argv
 from keras_mirror_kit.workarounds import keras_multi_worker_fit
+from tests import forkserver
 from tests import network_modes as modes
 from tests.processes import alive, assert_none_left, kill
 from tests.subproc import last_json, python_on_path, run_python
@@ -83,7 +84,7 @@ def _launch(
     command += ["-m", CHILD, str(out), *child_args]
     if observe:
         command += ["--hold-after-strategy", str(out / "go")]
-    proc = subprocess.Popen(
+    proc = forkserver.popen(
         command,
         cwd=REPO,
         env=_child_env(),
@@ -148,7 +149,7 @@ def _max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 def _one_process_two_replicas(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """The child run as one process with 2 simulated replicas (the multi-worker reference)."""
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-m", CHILD, str(out), *args],
         cwd=REPO,
         env=_child_env(KMK_SIMULATE_REPLICAS="2"),
@@ -946,7 +947,7 @@ def test_a_resumed_multi_worker_run_continues_from_the_checkpoint(reference, res
 
 def _run_cluster(out: Path, tf_configs: list[str], *child_args: str, timeout: float = 420):
     procs = [
-        subprocess.Popen(
+        forkserver.popen(
             [sys.executable, "-m", CHILD, str(out), *child_args],
             cwd=REPO,
             env=_child_env(TF_CONFIG=config),

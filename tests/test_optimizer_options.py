@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
@@ -30,6 +29,7 @@ from keras_mirror_kit.workarounds import (
     keras_grad_accumulation,
     keras_gradient_clipping,
 )
+from tests import forkserver
 from tests.ckpt_helpers import max_diff
 from tests.subproc import REPO
 
@@ -333,7 +333,7 @@ def test_two_workers_clip_the_reduced_gradient_and_overwrite_with_ema(tmp_path):
     env["KMK_COLLECTIVE_TIMEOUT"] = "120"  # a stalled collective fails instead of hanging
     command = [sys.executable, "-m", "keras_mirror_kit.multi_worker.launch", "-n", "2",
                str(script), str(tmp_path)]  # fmt: skip
-    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    proc = forkserver.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # One device: w = 1, every step the gradient 2 (w - 3) over the same rows; the average
     # (momentum 0.5) overwrites the weight after steps 2 and 4, and fit ends on the average.

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -33,6 +32,7 @@ from keras_mirror_kit.replica_check.samples import (
     save_samples,
     take_samples,
 )
+from tests import forkserver
 from tests.subproc import REPO
 
 USER_MODULE = """
@@ -213,7 +213,7 @@ def test_a_factory_in_a_script_is_found_and_must_return_a_compiled_model(
         encoding="utf-8",
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, str(script)],
         capture_output=True,
         text=True,

@@ -210,6 +210,7 @@ def test_ckpt_verify_and_ls_accept_earlier_versions_without_tensorflow(tmp_path,
         print("RESULT " + json.dumps({{"runs": runs, "modules": modules}}))
         """,
         timeout=120,
+        fresh=True,
     )
     result = last_json(proc)
     assert result["modules"] == []

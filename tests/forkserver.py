@@ -1,0 +1,507 @@
+"""Python children that start with TensorFlow already imported: forked from a warm parent.
+
+Most children of the suite run `import tensorflow` first, which costs 5-8 s of CPU on the
+CI machine, more than many of them then spend training. Importing TensorFlow loads its
+libraries and Python modules but initialises no runtime: the devices, the logical-device
+split, the thread pools, the eager context and the CUDA driver are made at first use. So
+a process that has imported TensorFlow and done nothing else (one per pytest process: the
+*zygote*, `python -m tests.forkserver`) can `fork()` children that each still configure
+their own runtime as a fresh interpreter would (`set_logical_device_configuration`,
+`TF_CONFIG`, `XLA_FLAGS`, `CUDA_VISIBLE_DEVICES`), at a fraction of the cost.
+
+`popen([sys.executable, ...], env=..., stdout=PIPE, ...)` returns a `subprocess.Popen`-like
+`ForkedProcess` (pid, poll, wait, communicate, send_signal, kill) for a child forked by the
+zygote, or a real `subprocess.Popen` wherever a fork would not be the same process:
+
+* arguments other than `python [-u] -c CODE | -m MODULE | SCRIPT [args]`, another
+  executable, `KERAS_BACKEND` other than `tensorflow` (JAX, which warns against `fork()`),
+  a value of an environment variable TensorFlow reads at import (`TF_ENABLE_ONEDNN_OPTS`,
+  `TF_CPP_MIN_LOG_LEVEL`, `TF_USE_LEGACY_KERAS`) other than the zygote's, `preexec_fn`,
+  `start_new_session`, `pass_fds`, or text input on stdin;
+* `KMK_TEST_FORK=0` in the environment of pytest (every child a real interpreter), or the
+  zygote failing to start.
+
+`KMK_TEST_FORK_LOG=FILE` appends one JSON line per child started through here: forked or
+not, and its arguments.
+
+A child forked here differs from a new interpreter only in what the zygote imported
+(TensorFlow, NumPy, Keras and what they import are in `sys.modules` from the start; Keras
+wrote no `keras.json` into a `KERAS_HOME` that has none) and in its parent process (the
+zygote). Tests that check what an import loads, or the parent's pid,
+use `subprocess` directly. The child's exit follows the interpreter's own: non-daemon
+threads are joined, `atexit` handlers run, the standard streams are flushed.
+"""
+
+from __future__ import annotations
+
+import array
+import atexit
+import io
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+from typing import Any
+
+# Read when TensorFlow (and the Keras it imports) is imported: a child must see the zygote's.
+# Besides these, every KERAS_* variable, and the keras.json that KERAS_HOME (or HOME) points at.
+IMPORT_TIME_VARIABLES = ("TF_ENABLE_ONEDNN_OPTS", "TF_CPP_MIN_LOG_LEVEL", "TF_USE_LEGACY_KERAS")
+_MAX_FDS = 3
+_BASE_ENV = dict(os.environ)  # at collection, before any test's monkeypatch
+
+
+def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] = ()) -> None:  # type: ignore[assignment]
+    data = json.dumps(message).encode()
+    payload = struct.pack("!I", len(data)) + data
+    if fds:
+        sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.sendall(payload)
+
+
+def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    fds = array.array("i")
+    data, ancdata, _, _ = sock.recvmsg(1 << 20, socket.CMSG_SPACE(_MAX_FDS * fds.itemsize))
+    for level, kind, raw in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(raw[: len(raw) - (len(raw) % fds.itemsize)])
+    if not data:
+        return None, list(fds)
+    (size,) = struct.unpack("!I", data[:4])
+    while len(data) < 4 + size:
+        more = sock.recv(1 << 20)
+        if not more:
+            return None, list(fds)
+        data += more
+    return json.loads(data[4 : 4 + size]), list(fds)
+
+
+# -- the zygote ----------------------------------------------------------------------------
+
+
+def _child_main(request: dict[str, Any], fds: list[int]) -> None:
+    """In the forked child: become the requested program and exit as the interpreter does."""
+    code = 0
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if request["cwd"]:
+            os.chdir(request["cwd"])
+        mode, target, argv = request["mode"], request["target"], request["argv"]
+        unbuffered = request["unbuffered"] or os.environ.get("PYTHONUNBUFFERED")
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        sys.stdout = io.TextIOWrapper(
+            io.FileIO(1, "w", closefd=False), line_buffering=bool(unbuffered),
+            write_through=bool(unbuffered),
+        )  # fmt: skip
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), line_buffering=True, errors="backslashreplace"
+        )
+        sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        first = "" if mode == "-c" else os.path.dirname(os.path.abspath(target))
+        if mode == "-m":
+            first = os.getcwd()
+        sys.path[:] = [first, *extra, *request["site_path"]]
+        sys.argv = list(argv)
+        main = types.ModuleType("__main__")
+        main.__dict__["__builtins__"] = __builtins__
+        sys.modules["__main__"] = main
+        if mode == "-c":
+            exec(compile(target, "<string>", "exec"), main.__dict__)  # noqa: S102
+        elif mode == "-m":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            main.__dict__["__file__"] = target
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as stop:
+        code = _exit_code(stop.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT  # the interpreter ends itself with SIGINT then
+    except BaseException:  # noqa: BLE001 - what the interpreter prints for an uncaught one
+        traceback.print_exc()
+        code = 1
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # noqa: SLF001
+        atexit._run_exitfuncs()  # noqa: SLF001
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001, S110
+            pass
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def serve(path: str) -> None:
+    """The zygote: imports TensorFlow, then forks one child per request on socket `path`."""
+    import tensorflow  # noqa: F401 - the point of the zygote
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    waiting: dict[int, socket.socket] = {}
+    site_path = list(sys.path[1:])  # the repository (PYTHONPATH), the standard library, site
+    sys.stdout.write("READY\n")
+    sys.stdout.flush()
+    while True:
+        ready, _, _ = select.select([listener, wake_r], [], [])
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        while waiting:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = waiting.pop(pid, None)
+            if conn is not None:
+                code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                try:
+                    _send(conn, {"returncode": code})
+                except OSError:
+                    pass
+                conn.close()
+        if listener in ready:
+            conn, _ = listener.accept()
+            request, fds = _recv(conn)
+            if request is None or request.get("stop"):
+                conn.close()
+                for fd in fds:
+                    os.close(fd)
+                if request is not None:
+                    return
+                continue
+            request["site_path"] = site_path
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                conn.close()
+                for other in waiting.values():
+                    other.close()
+                os.close(wake_r)
+                os.close(wake_w)
+                _child_main(request, fds)
+            for fd in fds:
+                os.close(fd)
+            waiting[pid] = conn
+            _send(conn, {"pid": pid})
+
+
+# -- the client ----------------------------------------------------------------------------
+
+
+class ForkedProcess:
+    """A child forked by the zygote, driven like a `subprocess.Popen`."""
+
+    def __init__(self, conn: socket.socket, pid: int, args: list[str], text: bool,
+                 stdout: int | None, stderr: int | None) -> None:  # fmt: skip
+        self.args = args
+        self.pid = pid
+        self.returncode: int | None = None
+        self._conn = conn
+        self._text = text
+        self.stdin = None
+        self.stdout = _reader(stdout, text)
+        self.stderr = _reader(stderr, text)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            ready, _, _ = select.select([self._conn], [], [], 0)
+            if ready:
+                self._collect()
+        return self.returncode
+
+    def _collect(self) -> None:
+        message, _ = _recv(self._conn)
+        self._conn.close()
+        # The zygote gone without a word: the child's fate is unknown; report a crash.
+        self.returncode = -signal.SIGKILL if message is None else int(message["returncode"])
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            ready, _, _ = select.select([self._conn], [], [], timeout)
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._collect()
+        return self.returncode  # type: ignore[return-value]
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
+        outputs: dict[str, Any] = {}
+        readers = [
+            threading.Thread(target=_drain, args=(stream, outputs, name), daemon=True)
+            for name, stream in (("out", self.stdout), ("err", self.stderr))
+            if stream is not None
+        ]
+        for reader in readers:
+            reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return outputs.get("out"), outputs.get("err")
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __enter__(self) -> ForkedProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for stream in (self.stdout, self.stderr):
+            if stream is not None:
+                stream.close()
+        self.wait()
+
+
+def _reader(fd: int | None, text: bool) -> Any:
+    if fd is None:
+        return None
+    return os.fdopen(fd, "r" if text else "rb", errors="replace" if text else None)
+
+
+def _drain(stream: Any, outputs: dict[str, Any], name: str) -> None:
+    outputs[name] = stream.read()
+    stream.close()
+
+
+_zygote: dict[str, Any] = {}
+
+
+def _zygote_path() -> str | None:
+    """The socket of this process's zygote, started on first use (None: it could not start)."""
+    if "path" in _zygote:
+        return _zygote["path"]
+    _zygote["path"] = None
+    if os.environ.get("KMK_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
+        return None
+    folder = tempfile.mkdtemp(prefix="kmk-zygote-")
+    path = os.path.join(folder, "socket")
+    env = _zygote_env()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.forkserver", path],
+        env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    if proc.stdout is None or proc.stdout.readline().strip() != "READY":
+        proc.kill()
+        proc.wait()
+        return None
+    _zygote.update(path=path, proc=proc, env=env, folder=folder)
+    atexit.register(_stop_zygote)
+    return path
+
+
+def _stop_zygote() -> None:
+    proc = _zygote.get("proc")
+    if proc is None:
+        return
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    try:
+        os.unlink(_zygote["path"])
+        os.rmdir(_zygote["folder"])
+    except OSError:
+        pass
+
+
+def _parse(args: list[str]) -> tuple[str, str, list[str], bool] | None:
+    """(mode, target, sys.argv, unbuffered) of `python ARGS`, None for what is not served."""
+    rest, unbuffered = list(args[1:]), False
+    while rest and rest[0] == "-u":
+        rest, unbuffered = rest[1:], True
+    if len(rest) >= 2 and rest[0] == "-c":
+        return "-c", rest[1], ["-c", *rest[2:]], unbuffered
+    if len(rest) >= 2 and rest[0] == "-m":
+        return "-m", rest[1], [rest[1], *rest[2:]], unbuffered
+    if rest and not rest[0].startswith("-"):
+        return "script", rest[0], rest, unbuffered
+    return None
+
+
+def _servable(args: Any, env: dict[str, str], kwargs: dict[str, Any]) -> bool:
+    if not isinstance(args, (list, tuple)) or not args or str(args[0]) != sys.executable:
+        return False
+    unsupported = ("preexec_fn", "start_new_session", "pass_fds", "shell", "process_group")
+    if any(kwargs.get(name) for name in unsupported) or kwargs.get("stdin") == subprocess.PIPE:
+        return False
+    if env.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
+        return False
+    zygote_env = _zygote.get("env") or _zygote_env()
+    names = {*IMPORT_TIME_VARIABLES, *(n for n in (*env, *zygote_env) if n.startswith("KERAS_"))}
+    names -= {"KERAS_BACKEND", "KERAS_HOME"}
+    if any(env.get(name) != zygote_env.get(name) for name in names):
+        return False
+    config = _keras_config(env)
+    return config is not None and config == _keras_config(zygote_env)
+
+
+_KERAS_DEFAULTS = {"floatx": "float32", "epsilon": 1e-07, "image_data_format": "channels_last"}
+
+
+def _keras_config(env: dict[str, str]) -> dict[str, Any] | None:
+    """What the keras.json Keras reads at import under `env` sets (None: unreadable)."""
+    home = env.get("KERAS_HOME") or os.path.join(env.get("HOME") or "/", ".keras")
+    try:
+        with open(os.path.join(os.path.expanduser(home), "keras.json"), "rb") as handle:
+            found = json.load(handle)
+    except FileNotFoundError:
+        found = {}  # Keras' defaults (it writes them there, which a fork does not)
+    except (OSError, ValueError):
+        return None
+    config = {**_KERAS_DEFAULTS, **found} if isinstance(found, dict) else None
+    if config is not None:
+        config.setdefault("backend", "tensorflow")
+    return config
+
+
+def _zygote_env() -> dict[str, str]:
+    env = {**_BASE_ENV, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.pop("KERAS_BACKEND", None)
+    return env
+
+
+def _fd_for(spec: Any, default: int, keep: list[int]) -> tuple[int, int | None]:
+    """(fd the child gets, fd this side reads) for a Popen stdout/stderr/stdin argument."""
+    if spec is None:
+        return default, None
+    if spec == subprocess.PIPE:
+        read, write = os.pipe()
+        keep.append(write)
+        return write, read
+    if spec == subprocess.DEVNULL:
+        fd = os.open(os.devnull, os.O_RDWR)
+        keep.append(fd)
+        return fd, None
+    if isinstance(spec, int):
+        return spec, None
+    return spec.fileno(), None
+
+
+def popen(args: list[str], **kwargs: Any) -> Any:
+    """A `subprocess.Popen(args, **kwargs)`, forked from the zygote where that is the same."""
+    env = dict(kwargs.get("env") or os.environ)
+    parsed = _parse([str(a) for a in args]) if isinstance(args, (list, tuple)) else None
+    forked = parsed is not None and _servable(args, env, kwargs) and _zygote_path() is not None
+    _log(args, forked)
+    if not forked:
+        return subprocess.Popen(args, **kwargs)
+    text = bool(kwargs.get("text") or kwargs.get("universal_newlines") or kwargs.get("encoding"))
+    opened: list[int] = []
+    stdin, _ = _fd_for(kwargs.get("stdin"), 0, opened)
+    out, out_read = _fd_for(kwargs.get("stdout"), 1, opened)
+    if kwargs.get("stderr") == subprocess.STDOUT:
+        err, err_read = out, None
+    else:
+        err, err_read = _fd_for(kwargs.get("stderr"), 2, opened)
+    mode, target, argv, unbuffered = parsed
+    cwd = kwargs.get("cwd")
+    request = {
+        "mode": mode, "target": target, "argv": argv, "unbuffered": unbuffered,
+        "env": env, "cwd": os.fspath(cwd) if cwd is not None else None,
+    }  # fmt: skip
+    if mode == "script":
+        request["target"] = os.path.abspath(os.path.join(os.fspath(cwd or "."), target))
+    sys.audit("subprocess.Popen", sys.executable, list(args), cwd, env)  # counted as a child
+    sys.audit("kmk.test.fork")
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(_zygote["path"])
+        _send(conn, request, [stdin, out, err])
+        reply, _ = _recv(conn)
+    finally:
+        for fd in opened:
+            os.close(fd)
+    if reply is None:
+        raise OSError("the test zygote did not start the child")
+    return ForkedProcess(conn, int(reply["pid"]), list(args), text, out_read, err_read)
+
+
+def _log(args: Any, forked: bool) -> None:
+    """Appends `{"forked": ..., "args": ...}` to the file `KMK_TEST_FORK_LOG` names, if any."""
+    path = os.environ.get("KMK_TEST_FORK_LOG")
+    if path:
+        with open(path, "a", encoding="utf-8") as log:
+            shown = [str(a)[:200] for a in args] if isinstance(args, (list, tuple)) else str(args)
+            log.write(json.dumps({"forked": forked, "args": shown}) + "\n")
+
+
+def run(
+    args: list[str],
+    *,
+    timeout: float | None = None,
+    check: bool = False,
+    capture_output: bool = False,
+    input: Any = None,  # noqa: A002 - subprocess.run's name
+    **kwargs: Any,
+) -> subprocess.CompletedProcess:
+    """`subprocess.run`, through `popen`."""
+    if capture_output:
+        kwargs.setdefault("stdout", subprocess.PIPE)
+        kwargs.setdefault("stderr", subprocess.PIPE)
+    if input is not None:
+        return subprocess.run(args, timeout=timeout, check=check, input=input, **kwargs)
+    with popen(args, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    done = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

@@ -1,0 +1,111 @@
+"""The suite's forked children (`tests/forkserver.py`) behave as fresh interpreters do."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests import forkserver
+from tests.subproc import REPO
+
+pytestmark = pytest.mark.slow
+
+FORKING = os.environ.get("KMK_TEST_FORK", "1") != "0"
+
+DEVICES = """
+import json, os, sys
+import tensorflow as tf
+n = int(sys.argv[1])
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * n)
+print(json.dumps({"devices": len(tf.config.list_logical_devices("CPU")), "ppid": os.getppid(),
+                  "argv": sys.argv, "name": __name__, "cwd": os.getcwd(),
+                  "env": os.environ.get("KMK_FORK_PROBE")}))
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", **extra}
+
+
+def test_each_child_configures_its_own_runtime(tmp_path) -> None:
+    seen = []
+    for n in (3, 1, 2):  # a runtime made by an earlier child would refuse the next split
+        proc = forkserver.run(
+            [sys.executable, "-c", DEVICES, str(n)], env=_env(KMK_FORK_PROBE=str(n)),
+            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        seen.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert [s["devices"] for s in seen] == [3, 1, 2]
+    assert [s["argv"] for s in seen] == [["-c", "3"], ["-c", "1"], ["-c", "2"]]
+    assert {s["name"] for s in seen} == {"__main__"}
+    assert {s["cwd"] for s in seen} == {str(tmp_path)}
+    assert [s["env"] for s in seen] == ["3", "1", "2"]
+    if FORKING:  # forked by the zygote, not started by this process
+        assert {s["ppid"] for s in seen} != {os.getpid()}
+
+
+def test_an_import_time_variable_gets_a_new_interpreter() -> None:
+    proc = forkserver.run(
+        [sys.executable, "-c", DEVICES, "1"], env=_env(TF_ENABLE_ONEDNN_OPTS="0"),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["ppid"] == os.getpid()
+
+
+def test_exit_codes_signals_timeouts_and_the_interpreters_exit(tmp_path) -> None:
+    def run(code: str, **kwargs):
+        return forkserver.run(
+            [sys.executable, "-c", code], env=_env(), capture_output=True, text=True,
+            timeout=kwargs.pop("timeout", 120), **kwargs,
+        )  # fmt: skip
+
+    assert run("import sys; sys.exit(3)").returncode == 3
+    assert run("import sys; sys.exit('bye')").returncode == 1
+    failed = run("raise ValueError('boom')")
+    assert failed.returncode == 1 and "ValueError: boom" in failed.stderr
+    assert run("import os, signal; os.kill(os.getpid(), signal.SIGKILL)").returncode == -9
+    assert run("raise KeyboardInterrupt").returncode == -signal.SIGINT
+    ended = run(  # a non-daemon thread is joined, then atexit runs, then stdout is flushed
+        "import atexit, threading\n"
+        "go = threading.Event()\n"
+        "atexit.register(lambda: print('atexit'))\n"
+        "threading.Thread(target=lambda: (go.wait(), print('thread'))).start()\n"
+        "print('main')\n"
+        "go.set()\n"
+    )
+    assert ended.stdout.split() == ["main", "thread", "atexit"], ended.stdout
+    script = tmp_path / "script.py"
+    script.write_text("import sys\nprint(__file__, sys.argv[1:], sys.path[0])\n")
+    by_path = forkserver.run(
+        [sys.executable, "script.py", "a"], cwd=tmp_path, env=_env(), capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert by_path.stdout.split() == [str(script), "['a']", str(tmp_path)], by_path.stdout
+    with pytest.raises(subprocess.TimeoutExpired):
+        run("import time; time.sleep(600)", timeout=2)
+
+
+def test_a_running_child_is_a_popen(tmp_path) -> None:
+    marker = tmp_path / "started"
+    code = (
+        "import pathlib, sys, time\n"
+        f"pathlib.Path({str(marker)!r}).write_text('x')\n"
+        "print('up', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = forkserver.popen(
+        [sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "up"
+    assert marker.exists() and proc.poll() is None
+    proc.terminate()
+    assert proc.wait(timeout=120) == -signal.SIGTERM
+    proc.stdout.close()
