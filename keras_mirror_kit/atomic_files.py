@@ -12,6 +12,11 @@ the page cache where the platform and filesystem allow it (Linux `O_DIRECT`), th
 aligned 8 MiB buffer: the kernel does not copy the data into its cache, so writing a file of
 several GB costs little CPU time and no page-cache memory that would evict the training
 data. Where the filesystem refuses `O_DIRECT`, the same write goes through the page cache.
+
+Reading goes through `open_regular` (and `read_regular`, with a size bound): it opens only
+a regular file, never through a symbolic link (`O_NOFOLLOW`) and never blocking on a FIFO
+(`O_NONBLOCK`, then the type is checked on the open descriptor), so a file someone else
+put in a directory cannot make a reader read another file, a device or a pipe.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import contextlib
 import errno
 import mmap
 import os
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -30,6 +36,8 @@ __all__ = [
     "atomic_write_bytes",
     "create_if_absent",
     "link_if_absent",
+    "open_regular",
+    "read_regular",
 ]
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux (and some BSDs); 0 elsewhere
@@ -38,6 +46,21 @@ _DIRECT_BUFFER = 8 << 20
 _NO_DIRECT = {errno.EINVAL, getattr(errno, "EOPNOTSUPP", -1), getattr(errno, "ENOTSUP", -1)}
 # What os.link raises on a filesystem without hard links (some network filesystems).
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
+# What opening a symbolic link with O_NOFOLLOW raises: ELOOP (Linux, macOS), EMLINK (BSDs).
+_LINK_ERRNOS = {errno.ELOOP, errno.EMLINK}
+_READ_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+)
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 class _DirectWriter:
@@ -235,3 +258,89 @@ def create_if_absent(path: Path, data: bytes) -> bool:
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """Opens a regular file for reading, following no symbolic link and never blocking.
+
+    The file is opened with `O_NOFOLLOW | O_NONBLOCK`, its type is checked on the open
+    descriptor (`os.fstat`, so it cannot be swapped in between), then the descriptor is
+    made blocking again. Only the last component of `path` is not followed: the directory
+    it names is the caller's choice. A hard link is a regular file and is read.
+
+    Args:
+        path: The file to open.
+
+    Returns:
+        The file, open for binary reads (the caller closes it).
+
+    Raises:
+        FileNotFoundError: When there is no such file.
+        OSError: When `path` is a symbolic link (errno `ELOOP`), not a regular file (a
+            directory, FIFO, device or socket; errno `EINVAL`) or cannot be opened; the
+            message says which.
+
+    Example:
+
+    ```python
+    with open_regular(directory / "manifest.json") as handle:
+        data = handle.read()
+    ```
+    """
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as err:
+        if err.errno in _LINK_ERRNOS and os.path.islink(path):
+            raise OSError(
+                errno.ELOOP, "it is a symbolic link, which the kit does not follow", str(path)
+            ) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+            raise OSError(errno.EINVAL, f"it is {kind}, not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The content of a regular file of at most `limit` bytes (`open_regular`).
+
+    The size is checked on the open descriptor before anything is read, and no more than
+    that size is read (a file that grows meanwhile is refused too), so the buffer is the
+    file's size, not `limit`.
+
+    Args:
+        path: The file to read.
+        limit: The most bytes the file may hold.
+
+    Returns:
+        The file's bytes.
+
+    Raises:
+        FileNotFoundError: When there is no such file.
+        OSError: What `open_regular` raises, and errno `EFBIG` for a file of more than
+            `limit` bytes.
+
+    Example:
+
+    ```python
+    data = read_regular(directory / "writer.lock", 64 << 10)
+    ```
+    """
+    with open_regular(path) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > limit:
+            raise OSError(
+                errno.EFBIG,
+                f"it holds {size} bytes, over the {limit} bytes such a file may hold",
+                str(path),
+            )
+        data = handle.read(size + 1)
+        if len(data) > size:
+            raise OSError(errno.EFBIG, "it grew while it was read", str(path))
+        return data

@@ -69,6 +69,83 @@ def test_image_folder_gives_keras_files_classes_labels_and_pixels(images, kwargs
     assert len(ours) == len(kit_ds.file_paths) and ours == theirs
 
 
+def _sorted_samples(dataset):
+    found = []
+    for x, y in dataset:
+        found += [(a.tobytes(), int(b)) for a, b in zip(x.numpy(), y.numpy())]
+    return sorted(found)
+
+
+def test_a_validation_subset_keeps_every_sample_whatever_shuffle_says(images):
+    common = dict(image_size=SIZE, batch_size=5, seed=7, verbose=False, validation_split=0.5)
+    keras_ds = keras.utils.image_dataset_from_directory(images, subset="validation", **common)
+    kit_ds = kmk.image_dataset_from_directory(images, subset="validation", **common)
+    assert len(keras_ds.file_paths) % 5  # a partial last batch, which a training set drops
+    assert _sorted_samples(kit_ds) == _sorted_samples(keras_ds)
+    # Training keeps the documented default: its partial last batch is dropped.
+    train = kmk.image_dataset_from_directory(images, subset="training", **common)
+    assert len(train.file_paths) % 5
+    assert sum(len(y) for _, y in train) == len(train.file_paths) // 5 * 5
+
+
+def test_augment_changes_the_training_subset_only(images):
+    common = dict(image_size=SIZE, batch_size=4, seed=7, verbose=False, validation_split=0.5)
+    keras_train, keras_val = keras.utils.image_dataset_from_directory(
+        images, subset="both", **common
+    )
+    flip = keras.layers.RandomFlip("horizontal_and_vertical", seed=1)
+    train, val = kmk.image_dataset_from_directory(
+        images, subset="both", augment=flip, drop_remainder=False, **common
+    )
+    # The validation subset is Keras' own: same images, labels and (unshuffled) order.
+    ours = [(x.numpy(), y.numpy()) for x, y in val]
+    theirs = [(x.numpy(), y.numpy()) for x, y in keras_val]
+    assert len(ours) == len(theirs)
+    for (x1, y1), (x2, y2) in zip(ours, theirs):
+        np.testing.assert_array_equal(x1, x2)
+        np.testing.assert_array_equal(y1, y2)
+    # The training subset is flipped: the same labels, other pixels for some images.
+    assert sorted(int(v) for _, y in train for v in y) == sorted(
+        int(v) for _, y in keras_train for v in y
+    )
+    assert _sorted_samples(train) != _sorted_samples(keras_train)
+
+
+def test_then_chains_two_functions_and_keys_each_seeded_part():
+    from keras_mirror_kit.data.preprocess import then
+
+    double = then(lambda x: x + 1, lambda x: x * 2)
+    assert int(double(tf.constant(3))) == 8
+    seeds = []
+
+    def seeded(x, seed):
+        seeds.append(seed.numpy().tolist())
+        return x
+
+    chained = then(seeded, seeded)
+    assert int(chained(tf.constant(1), seed=tf.constant([4, 5], tf.int64))) == 1
+    assert len(seeds) == 2 and seeds[0] != seeds[1]  # a key of its own for each part
+    with pytest.raises(TypeError, match="Received: second=3"):
+        then(double, 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "fragment"),
+    [
+        ({"subset": "validation", "augment": abs}, ValueError, "training subset only"),
+        ({"subset": "validation", "drop_remainder": True}, ValueError, "drop_remainder=True"),
+        ({"subset": "both", "augment": "flip"}, TypeError, "Received: augment='flip'"),
+    ],
+)
+def test_augment_and_drop_remainder_of_a_validation_subset_are_refused(
+    images, kwargs, exc, fragment
+):
+    with pytest.raises(exc, match=fragment):
+        kmk.image_dataset_from_directory(
+            images, verbose=False, seed=1, validation_split=0.5, **kwargs
+        )
+
+
 @pytest.mark.slow
 def test_text_folder_and_subset_both_match_keras(tmp_path):
     root = data_files.text_folder(tmp_path)

@@ -16,6 +16,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_mirror_kit.checkpoint.meta import CALLBACK_ARRAY, CALLBACK_ARRAYS, callback_array_key
+
 __all__ = ["apply_callback_states", "best_weights_restored", "callback_states", "is_stateful"]
 
 logger = logging.getLogger("keras_mirror_kit")
@@ -69,16 +71,16 @@ def callback_states(
         encoded: dict[str, Any] = {}
         for name, value in raw.items():
             if isinstance(value, np.ndarray):
-                arrays[f"callback/{key}/{name}"] = value
-                encoded[name] = {"__array__": True}
+                arrays[callback_array_key(key, name)] = value
+                encoded[name] = {CALLBACK_ARRAY: True}
             elif (
                 isinstance(value, (list, tuple))
                 and value
                 and all(isinstance(v, np.ndarray) for v in value)
             ):
                 for i, v in enumerate(value):
-                    arrays[f"callback/{key}/{name}/{i:05d}"] = v
-                encoded[name] = {"__arrays__": len(value)}
+                    arrays[callback_array_key(key, name, i)] = v
+                encoded[name] = {CALLBACK_ARRAYS: len(value)}
             else:
                 value = value.item() if isinstance(value, np.generic) else value
                 try:
@@ -111,12 +113,12 @@ def apply_callback_states(
             continue
         decoded: dict[str, Any] = {}
         for name, value in states[key].items():
-            if isinstance(value, dict) and value.get("__array__"):
-                decoded[name] = arrays[f"callback/{key}/{name}"]
-            elif isinstance(value, dict) and "__arrays__" in value:
+            if isinstance(value, dict) and value.get(CALLBACK_ARRAY):
+                decoded[name] = arrays[callback_array_key(key, name)]
+            elif isinstance(value, dict) and CALLBACK_ARRAYS in value:
                 decoded[name] = [
-                    arrays[f"callback/{key}/{name}/{i:05d}"]
-                    for i in range(int(value["__arrays__"]))
+                    arrays[callback_array_key(key, name, i)]
+                    for i in range(int(value[CALLBACK_ARRAYS]))
                 ]
             else:
                 decoded[name] = value

@@ -14,6 +14,12 @@ Under Slurm the lock also records the job id and its restart count: a requeued j
 earlier run even when that ran on another node, since Slurm ended that run before
 requeueing it.
 
+The lock is read as any file of a directory someone else may have made: only a regular
+file of at most `LOCK_LIMIT` bytes, never through a symbolic link, never a FIFO
+(`atomic_files.read_regular`). A lock that cannot be read as the JSON record the kit
+writes is refused like a live one, the message saying why; a record naming a pid that no
+process can have (beyond the 31 bits of a pid) counts as stale.
+
 This module knows nothing of Keras or TensorFlow.
 """
 
@@ -30,7 +36,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from keras_mirror_kit.atomic_files import create_if_absent, link_if_absent
+from keras_mirror_kit.atomic_files import create_if_absent, link_if_absent, read_regular
+from keras_mirror_kit.checkpoint.meta import parse_json
 from keras_mirror_kit.checkpoint.store import CheckpointError
 
 __all__ = ["LOCK_FILE", "CheckpointLockedError", "DirectoryLock", "StaleLockWarning"]
@@ -38,6 +45,8 @@ __all__ = ["LOCK_FILE", "CheckpointLockedError", "DirectoryLock", "StaleLockWarn
 logger = logging.getLogger("keras_mirror_kit")
 
 LOCK_FILE = "writer.lock"
+LOCK_LIMIT = 64 << 10  # a record is about 200 bytes
+_PID_MAX = (1 << 31) - 1  # pid_t: no process has a larger pid
 
 # Locks this process holds: resolved path -> token (released at exit as well).
 _HELD: dict[str, str] = {}
@@ -102,8 +111,8 @@ def _slurm_job() -> dict[str, Any]:
 
 def _pid_alive(pid: int) -> bool:
     """Whether a process with this pid runs on this host (a zombie does not)."""
-    if pid <= 0:
-        return False
+    if not 0 < pid <= _PID_MAX:
+        return False  # no process has this pid
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -263,32 +272,50 @@ class DirectoryLock:
         return False
 
     def _locked_error(self, record: dict[str, Any]) -> CheckpointLockedError:
-        pid, host = record.get("pid", "?"), record.get("host", "?")
-        since = record.get("since", "?")
-        where = "this host" if host == socket.gethostname() else f"host {host!r}"
+        unreadable = ""
+        if not record:  # no record the kit wrote: say what is there instead
+            problem = _load_record(self.path)[1] or "it changed while it was read"
+            unreadable = (
+                f" The lock cannot be read as the record the kit writes ({problem}), so "
+                "whether that run still writes cannot be told."
+            )
+        pid, host = _short(record.get("pid", "?")), record.get("host", "?")
+        since = _short(record.get("since", "?"))
+        where = "this host" if host == socket.gethostname() else f"host {_short(repr(host))}"
         return CheckpointLockedError(
             f"Another run is writing checkpoints to {str(self.directory)!r}: process {pid} "
-            f"on {where} holds its lock {str(self.path)!r} (since {since}). Two runs writing "
-            "one directory would rotate each other's checkpoints away. Wait for that run to "
-            "end, stop it, or give this run another directory. If you are sure no run "
-            "writes there (for example it ran on another machine that is gone), delete the "
-            f"lock file. Received: directory={str(self.directory)!r}"
+            f"on {where} holds its lock {str(self.path)!r} (since {since}).{unreadable} Two "
+            "runs writing one directory would rotate each other's checkpoints away. Wait for "
+            "that run to end, stop it, or give this run another directory. If you are sure "
+            "no run writes there (for example it ran on another machine that is gone), "
+            f"delete the lock file. Received: directory={str(self.directory)!r}"
         )
+
+
+def _short(value: Any) -> str:
+    """A field of a lock record for a message: its text, cut to 80 characters."""
+    text = str(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _load_record(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """A lock file's record and, when it is `{}` (unreadable), why; None when there is none."""
+    try:
+        record = parse_json(read_regular(path, LOCK_LIMIT))
+    except FileNotFoundError:
+        return None, ""
+    except OSError as err:
+        return {}, str(err.strerror or err)
+    except ValueError as err:
+        return {}, f"not JSON: {err}"
+    if not isinstance(record, dict) or not record:
+        return {}, "not a JSON object of the kit's lock fields"
+    return record, ""
 
 
 def _read_record(path: Path) -> dict[str, Any] | None:
     """A lock file's record: None when there is no file, `{}` when it is unreadable."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return {}
-    try:
-        record = json.loads(text)
-    except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}
+    return _load_record(path)[0]
 
 
 def _remove_if_token(path: Path, token: str) -> None:

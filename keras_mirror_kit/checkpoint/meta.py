@@ -11,11 +11,16 @@ keys are spelled here only: writers build these classes, readers get them, and `
 * a manifest of keras-mirror-kit 0.1.0 lists each file's `"sha256"`, not the `"crc32"`
   of its members (`ManifestEntry.sha256`).
 
+Reading checks every field's type (and that counts are whole numbers, not negative):
+anything else is a `ValueError`, which the store reports as an unreadable checkpoint or
+manifest, never another exception.
+
 Nothing here imports NumPy, Keras or TensorFlow.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -24,6 +29,8 @@ from functools import cached_property
 from typing import Any
 
 __all__ = [
+    "CALLBACK_ARRAY",
+    "CALLBACK_ARRAYS",
     "FORMAT",
     "MANIFEST",
     "STATE_VARIABLES",
@@ -33,9 +40,12 @@ __all__ = [
     "DataDescription",
     "ManifestEntry",
     "Score",
+    "callback_array_key",
+    "callback_array_keys",
     "checkpoint_index",
     "checkpoint_name",
     "manifest_json",
+    "parse_json",
     "read_manifest_json",
 ]
 
@@ -44,7 +54,11 @@ VERSION = 1
 MANIFEST = "manifest.json"
 STATE_VARIABLES = "variables"  # model.variables: weights and the random layers' state
 STATE_WEIGHTS = "weights"  # model.weights: files without a "state" key
-_NAME = re.compile(r"^ckpt-(\d{8})\.npz$")
+_NAME = re.compile(r"ckpt-([0-9]{8})\.npz")  # fullmatch: ASCII digits, no trailing newline
+_LIMIT = 1 << 64  # the magnitude no number a checkpoint records reaches
+# How a callback state marks a value saved as an array, or a list of arrays.
+CALLBACK_ARRAY, CALLBACK_ARRAYS = "__array__", "__arrays__"
+_MAX_LISTED_ARRAYS = 1 << 20  # arrays one `__arrays__` marker may name
 
 
 def checkpoint_name(index: int) -> str:
@@ -54,17 +68,75 @@ def checkpoint_name(index: int) -> str:
 
 def checkpoint_index(name: str) -> int | None:
     """The number in a checkpoint's file name, or None for any other name."""
-    match = _NAME.match(name)
+    match = _NAME.fullmatch(name) if isinstance(name, str) else None
     return int(match.group(1)) if match else None
 
 
-def _int(data: Mapping[str, Any], key: str) -> int | None:
-    value = data.get(key)
-    if value is None:
-        return None
+def parse_json(data: bytes) -> object:
+    """The JSON value of `data` (UTF-8).
+
+    Raises:
+        ValueError: When it is not UTF-8 JSON, or nests too deeply to parse.
+    """
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("its JSON nests too deeply") from None
+
+
+def _whole(value: object, key: object, minimum: int | None = 0) -> int:
+    """`value` as an int: a whole number (not a bool) in range, else a ValueError."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"its {key!r} is not a number ({value!r})")
-    return int(value)
+        raise ValueError(f"its {key!r} is not a number ({_short(value)})")
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise ValueError(f"its {key!r} is not a whole number ({_short(value)})")
+    number = int(value)
+    low = -_LIMIT if minimum is None else minimum
+    if not low <= number < _LIMIT:
+        raise ValueError(f"its {key!r} is out of range ({_short(value)})")
+    return number
+
+
+def _short(value: object) -> str:
+    """`repr(value)`, cut to 60 characters (for messages about a hostile file)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _int(data: Mapping[str, Any], key: str, minimum: int | None = 0) -> int | None:
+    value = data.get(key)
+    return None if value is None else _whole(value, key, minimum)
+
+
+def _str(data: Mapping[str, Any], key: str) -> str | None:
+    value = data.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"its {key!r} is not a string ({_short(value)})")
+    return value
+
+
+def callback_array_key(key: str, name: str, index: int | None = None) -> str:
+    """The array name of a callback state's value saved as an array (`callback/K/N[/i]`)."""
+    return f"callback/{key}/{name}" if index is None else f"callback/{key}/{name}/{index:05d}"
+
+
+def callback_array_keys(states: Mapping[str, Any]) -> list[str]:
+    """The array names the callback states of a checkpoint's metadata refer to.
+
+    Raises:
+        ValueError: When a marker is malformed (`{"__arrays__": n}` with n not a count).
+    """
+    keys: list[str] = []
+    for key, state in states.items():
+        for name, value in state.items():
+            if isinstance(value, Mapping) and value.get(CALLBACK_ARRAY):
+                keys.append(callback_array_key(key, name))
+            elif isinstance(value, Mapping) and CALLBACK_ARRAYS in value:
+                count = _whole(value[CALLBACK_ARRAYS], f"{key}.{name}")
+                if count > _MAX_LISTED_ARRAYS:
+                    raise ValueError(f"its {key}.{name} lists {count} arrays")
+                keys += [callback_array_key(key, name, i) for i in range(count)]
+    return keys
 
 
 def _flag(data: Mapping[str, Any], key: str) -> bool | None:
@@ -100,6 +172,8 @@ class Score:
         if not isinstance(monitor, str) or not monitor:
             return None
         number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        if isinstance(number, int) and abs(number) >= _LIMIT:
+            number = None  # no float holds it
         mode = data.get("mode")
         return cls(monitor, mode if isinstance(mode, str) else None, number)
 
@@ -136,7 +210,7 @@ class DataDescription:
             global_batch_size=_int(data, "global_batch_size"),
             epoch_length=_int(data, "epoch_length"),
             steps_per_execution=_int(data, "steps_per_execution"),
-            seed=_int(data, "data_seed"),
+            seed=_int(data, "data_seed", minimum=None),
             samples=_int(data, "data_samples"),
         )
 
@@ -239,30 +313,40 @@ class CheckpointMeta(Mapping[str, Any]):
                 raise ValueError(f"its metadata has no {key!r}")
         history = data.get("script_fit_epochs")
         callbacks, config = data.get("callbacks"), data.get("model_config")
+        variables = data.get("variables") or []
+        if not isinstance(variables, list) or not all(isinstance(v, str) for v in variables):
+            raise ValueError("its 'variables' is not a list of strings")
+        if callbacks is not None and not (
+            isinstance(callbacks, Mapping)
+            and all(isinstance(state, Mapping) for state in callbacks.values())
+        ):
+            raise ValueError("its 'callbacks' is not an object of callback states")
+        if config is not None and not isinstance(config, Mapping):
+            raise ValueError("its 'model_config' is not a JSON object")
         version = _int(data, "version")
         return cls(
-            epoch=int(data["epoch"]),
-            step=int(data["step"]),
+            epoch=_whole(data["epoch"], "epoch"),
+            step=_whole(data["step"], "step"),
             epoch_end=bool(data.get("epoch_end")),
             global_step=_int(data, "global_step"),
-            state=str(data.get("state", STATE_WEIGHTS)),
+            state=_str(data, "state") or STATE_WEIGHTS,
             fit_index=_int(data, "fit_index"),
             fit_epochs=_int(data, "fit_epochs"),
             script_fit_epochs=(
-                tuple(None if e is None else int(e) for e in history)
+                tuple(None if e is None else _whole(e, "script_fit_epochs") for e in history)
                 if isinstance(history, list)
                 else None
             ),
             stopped=bool(data.get("stopped")),
             finite=data.get("finite") is not False,
             num_replicas=_int(data, "num_replicas"),
-            backend=str(data["backend"]) if data.get("backend") else None,
+            backend=_str(data, "backend") or None,
             data=DataDescription.from_json(data),
-            variables=tuple(str(v) for v in data.get("variables") or ()),
-            callbacks=dict(callbacks) if isinstance(callbacks, Mapping) else {},
+            variables=tuple(variables),
+            callbacks={str(k): dict(v) for k, v in (callbacks or {}).items()},
             score=Score.from_json(data),
-            model_config=dict(config) if isinstance(config, Mapping) and config else None,
-            file=str(data["file"]) if data.get("file") is not None else None,
+            model_config=dict(config) if config else None,
+            file=_str(data, "file"),
             version=VERSION if version is None else version,
         )
 

@@ -52,6 +52,12 @@ def model_config(model: Any) -> dict[str, Any] | None:
     return config
 
 
+def _first_line(err: BaseException) -> str:
+    """The first line of an error's message, cut to 300 characters."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return text if len(text) <= 300 else f"{text[:297]}..."
+
+
 def _directory_store(directory: str | os.PathLike[str]) -> CheckpointStore:
     path = Path(directory)
     if not path.is_dir():
@@ -215,8 +221,9 @@ def export_checkpoint(
     Raises:
         ValueError: A bad file name or factory.
         FileExistsError: `to` exists and `overwrite` is False.
-        CheckpointError: No usable checkpoint, no recorded architecture and no factory, or
-            a checkpoint of another model.
+        CheckpointError: No usable checkpoint, no recorded architecture and no factory, a
+            recorded architecture that cannot be rebuilt (a class nobody registered) or is
+            not a model, or a checkpoint of another model.
     """
     target = Path(to)
     if not target.name.endswith(_EXPORT_SUFFIXES) or target.name in _EXPORT_SUFFIXES:
@@ -239,7 +246,23 @@ def export_checkpoint(
                 "kit). Pass the function that builds the model: --model module:function "
                 "(or model=build_model). Received: model=None"
             )
-        built = keras.saving.deserialize_keras_object(config)
+        try:
+            built = keras.saving.deserialize_keras_object(config)
+        except Exception as err:  # any layer's from_config may fail on a config it did not write
+            raise CheckpointError(
+                f"The architecture recorded in {loaded.path.name!r} cannot be rebuilt "
+                f"({type(err).__name__}: {_first_line(err)}). A custom layer or model must be "
+                "registered (keras.saving.register_keras_serializable) in the process that "
+                "exports; or pass the function that builds the model: --model "
+                "module:function (or model=build_model). Received: model=None"
+            ) from err
+        if not isinstance(built, keras.Model):
+            raise CheckpointError(
+                f"The architecture recorded in {loaded.path.name!r} is a "
+                f"{type(built).__name__}, not a Keras model. Pass the function that builds "
+                "the model: --model module:function (or model=build_model). "
+                "Received: model=None"
+            )
     else:
         factory = resolve(model, "model", callable_only=True) if isinstance(model, str) else model
         built = factory()

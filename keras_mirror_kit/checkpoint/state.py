@@ -132,7 +132,16 @@ def apply_state(model: Any, loaded: LoadedCheckpoint, directory: str | os.PathLi
         except ImportError as err:
             _skip_global_random(err)
         else:
-            matched.append(("random/global", ("random", global_seed_generator().state)))
+            state = global_seed_generator().state
+            saved = tuple(loaded.shapes.get("random/global", ()))
+            if saved != tuple(state.shape):  # checked before anything is assigned
+                raise CheckpointError(
+                    f"The checkpoint {str(loaded.path)!r} holds Keras' global random state "
+                    f"of shape {saved}, but this Keras keeps it as {tuple(state.shape)}; "
+                    "nothing was restored. Restore it with the Keras version that wrote it. "
+                    f"Received: directory={str(directory)!r}"
+                )
+            matched.append(("random/global", ("random", state)))
     assign_state(matched, loaded, directory)
 
 

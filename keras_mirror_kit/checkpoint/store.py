@@ -29,6 +29,13 @@ and read alike). The guarantees:
   way back, and a run that cannot resume mid-epoch finds an epoch boundary.
 * Only files this module names (`ckpt-NNNNNNNN.npz`, `manifest.json` and their hidden
   temporaries) are ever deleted; anything else in the directory is left alone.
+* Only regular files inside the directory are read, never through a symbolic link, a
+  FIFO or a device (`atomic_files.open_regular`), and every read is bounded by what the
+  file should hold: the manifest at most `MANIFEST_LIMIT` bytes, a checkpoint file no
+  more than its own size (`archive`: its zip directory, members, headers and metadata are
+  checked before what they size is read). Whatever a file someone else made holds, the
+  result is a checkpoint that verifies, or an unreadable one (a `ValueError` here, a
+  `CorruptCheckpointWarning` and the previous checkpoint when resuming).
 """
 
 from __future__ import annotations
@@ -49,7 +56,18 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from keras_mirror_kit.atomic_files import atomic_write
+from keras_mirror_kit.atomic_files import atomic_write, open_regular, read_regular
+from keras_mirror_kit.checkpoint.archive import (
+    META_KEY,
+    UNREADABLE,
+    array_headers,
+    check_layout,
+    file_identity,
+    open_zip,
+    read_array,
+    read_meta,
+    valid_key,
+)
 from keras_mirror_kit.checkpoint.best import best_entries
 from keras_mirror_kit.checkpoint.meta import (
     MANIFEST,
@@ -58,6 +76,7 @@ from keras_mirror_kit.checkpoint.meta import (
     checkpoint_index,
     checkpoint_name,
     manifest_json,
+    parse_json,
     read_manifest_json,
 )
 from keras_mirror_kit.validation import non_negative_int, positive_int
@@ -74,15 +93,11 @@ __all__ = [
 logger = logging.getLogger("keras_mirror_kit")
 
 _TMP_RE = re.compile(
-    r"^\.(ckpt-\d{8}\.npz|manifest\.json|write-probe|writer\.lock)\.[0-9a-f]+\.tmp$"
-)
-_META_KEY = "__meta__"
-# What zipfile raises on a damaged file: besides BadZipFile, a flipped bit in a member's
-# flags, method or version gives NotImplementedError, RuntimeError (encrypted) or zlib.error.
-_UNREADABLE = (
-    OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, NotImplementedError,
-    RuntimeError, zlib.error,
-)  # fmt: skip
+    r"\.(ckpt-[0-9]{8}\.npz|manifest\.json|write-probe|writer\.lock)\.[0-9a-f]+\.tmp"
+)  # fullmatch
+_META_KEY = META_KEY
+_UNREADABLE = UNREADABLE
+MANIFEST_LIMIT = 8 << 20  # about 30,000 entries
 _CHUNK = 1 << 20  # bytes per read when verifying a file; bytes per write (x16)
 
 
@@ -145,20 +160,45 @@ class CheckpointArrays(Mapping[str, np.ndarray]):
         path: Path,
         shapes: Mapping[str, tuple[int, ...]],
         dtypes: Mapping[str, np.dtype] | None = None,
+        identity: tuple[int, ...] | None = None,
     ) -> None:
         self.path = Path(path)
         self.shapes: dict[str, tuple[int, ...]] = dict(shapes)
         self.dtypes: dict[str, np.dtype] = dict(dtypes or {})
-        self._archive: list[zipfile.ZipFile] = []  # the open file, shared with the finalizer
+        # The verified file (archive.file_identity): another one in its place is refused.
+        self.identity = identity
+        # The open zip and its file, shared with the finalizer.
+        self._archive: list[Any] = []
         weakref.finalize(self, _close_all, self._archive)
 
     def __getitem__(self, key: str) -> np.ndarray:
         if key not in self.shapes:
             raise KeyError(key)
         if not self._archive:
-            self._archive.append(zipfile.ZipFile(self.path))
-        with self._archive[0].open(f"{key}.npy") as member:
-            return np.lib.format.read_array(member, allow_pickle=False)
+            self._open()
+        dtype = self.dtypes.get(key)
+        if dtype is None:  # no header recorded (made by hand): as the file says
+            with self._archive[-1].open(f"{key}.npy") as member:
+                return np.lib.format.read_array(member, allow_pickle=False)
+        return read_array(self._archive[-1], key, self.shapes[key], dtype)
+
+    def _open(self) -> None:
+        """Opens the file (no link followed), refusing another file than the one verified."""
+        handle = open_regular(self.path)
+        try:
+            if self.identity is not None and file_identity(os.fstat(handle.fileno())) != (
+                self.identity
+            ):
+                raise ValueError(
+                    f"{self.path.name} was replaced or changed since it was verified; nothing "
+                    "more is read from it. Restore again. "
+                    f"Received: path={str(self.path)!r}"
+                )
+            archive = open_zip(handle)
+        except BaseException:
+            handle.close()
+            raise
+        self._archive += [handle, archive]  # closed in reverse
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
@@ -177,8 +217,8 @@ class CheckpointArrays(Mapping[str, np.ndarray]):
         self.close()
 
 
-def _close_all(archives: list[zipfile.ZipFile]) -> None:
-    """Closes and forgets the open zip files of a `CheckpointArrays`."""
+def _close_all(archives: list[Any]) -> None:
+    """Closes and forgets the open zip file and its file of a `CheckpointArrays`."""
     while archives:
         archives.pop().close()
 
@@ -257,6 +297,12 @@ def _write_npz(
         for key, value in arrays:
             if key in names or key == _META_KEY:
                 raise ValueError(f"duplicate array name in a checkpoint: {key!r}")
+            if not valid_key(key):  # what a read would refuse
+                raise ValueError(
+                    f"cannot store an array named {key!r} in a checkpoint: a name is "
+                    "model/N, optimizer/N, random/NAME or callback/KEY/NAME, without control "
+                    "characters, backslashes or '.' and '..' parts"
+                )
             names.add(key)
             with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
                 _write_array(member, value)  # type: ignore[arg-type]
@@ -277,46 +323,14 @@ def _members_checksum(archive: zipfile.ZipFile) -> str:
     return f"{zlib.crc32(record.encode('utf-8')):08x}"
 
 
-def _sha256_of(path: Path) -> str:
-    """The SHA-256 of a file, read in chunks."""
+def _sha256_of(handle: BinaryIO) -> str:
+    """The SHA-256 of an open file from its start, read in chunks (then rewound)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
+    handle.seek(0)
+    while chunk := handle.read(_CHUNK):
+        digest.update(chunk)
+    handle.seek(0)
     return digest.hexdigest()
-
-
-def _member_header(archive: zipfile.ZipFile, name: str) -> tuple[tuple[int, ...], np.dtype]:
-    """The shape and dtype of one `.npy` member, from its header alone.
-
-    A member whose dtype holds Python objects (a pickle) is refused here, so such a file is
-    reported as unreadable (and skipped for the previous checkpoint) before anything reads
-    it: the kit never unpickles a checkpoint.
-    """
-    header = None
-    with archive.open(name) as member:
-        version = np.lib.format.read_magic(member)
-        if version == (1, 0):
-            header = np.lib.format.read_array_header_1_0(member)
-        elif version == (2, 0):
-            header = np.lib.format.read_array_header_2_0(member)
-    if header is None:
-        with archive.open(name) as member:  # another header version: read the array
-            array = np.lib.format.read_array(member, allow_pickle=False)
-        return tuple(array.shape), array.dtype
-    shape, _, dtype = header
-    if np.dtype(dtype).hasobject:
-        raise ValueError(
-            f"member {name} holds Python objects (a pickle), which the kit never loads"
-        )
-    return tuple(shape), np.dtype(dtype)
-
-
-def _read_meta(archive: zipfile.ZipFile) -> object:
-    """The metadata member of a checkpoint file, as JSON (for `CheckpointMeta.from_json`)."""
-    with archive.open(f"{_META_KEY}.npy") as member:
-        blob = np.lib.format.read_array(member, allow_pickle=False)
-    return json.loads(blob.tobytes().decode("utf-8"))
 
 
 class CheckpointStore:
@@ -374,7 +388,7 @@ class CheckpointStore:
         """Deletes the temporary files a killed writer left behind; returns their names."""
         removed = []
         for entry in self._listdir():
-            if _TMP_RE.match(entry):
+            if _TMP_RE.fullmatch(entry):
                 try:
                     (self.directory / entry).unlink()
                     removed.append(entry)
@@ -395,17 +409,20 @@ class CheckpointStore:
     def read_manifest(self) -> tuple[str | None, list[ManifestEntry]] | None:
         """The manifest's newest file and entries; None when it is missing or unreadable.
 
-        A broken manifest is reported with a `CorruptCheckpointWarning`.
+        A broken manifest is reported with a `CorruptCheckpointWarning`, and so is one that
+        is not a regular file (a symbolic link, FIFO, device or directory: never read) or
+        holds more than `MANIFEST_LIMIT` bytes.
         """
         path = self.directory / MANIFEST
-        if not path.exists():
-            return None
         try:
-            return read_manifest_json(json.loads(path.read_text(encoding="utf-8")))
+            return read_manifest_json(parse_json(read_regular(path, MANIFEST_LIMIT)))
+        except FileNotFoundError:
+            return None
         except (OSError, ValueError) as err:
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else err
             warnings.warn(
-                f"Ignoring unreadable checkpoint manifest {str(path)!r} ({err}); reading the "
-                "checkpoint files directly.",
+                f"Ignoring unreadable checkpoint manifest {str(path)!r} ({reason}); reading "
+                "the checkpoint files directly.",
                 CorruptCheckpointWarning,
                 stacklevel=2,
             )
@@ -427,8 +444,8 @@ class CheckpointStore:
     def _entry_from_file(self, name: str) -> ManifestEntry:
         """The entry of one file, from its own metadata (`unreadable` if it has none)."""
         try:
-            with zipfile.ZipFile(self.directory / name) as archive:
-                meta = CheckpointMeta.from_json(_read_meta(archive))
+            with open_regular(self.directory / name) as handle, open_zip(handle) as archive:
+                meta = CheckpointMeta.from_json(read_meta(archive))
         except _UNREADABLE:
             return ManifestEntry(file=name, index=checkpoint_index(name) or 0, unreadable=True)
         return ManifestEntry.of(meta, name)
@@ -514,42 +531,56 @@ class CheckpointStore:
         CRC-32 is checked (reading the file in chunks). A file the manifest does not list
         gets the CRC check alone; one listed with a `sha256` (written by 0.1.0), that hash.
 
+        Only a regular file is read, not through a symbolic link, and its zip directory,
+        members, headers and metadata are checked before what they size is read
+        (`archive`), so whatever the file holds costs at most about its own size.
+
         Raises:
-            ValueError: If the file is missing, truncated, fails its checksum or zip CRC, or is
-                not a keras-mirror-kit checkpoint.
+            ValueError: If the file is missing, a symbolic link, FIFO, device or directory,
+                truncated, fails its checksum or zip CRC, holds members that are compressed,
+                misnamed or of another size than their headers say, metadata of wrong types,
+                or is not a keras-mirror-kit checkpoint.
         """
         path = self.directory / entry.file
         try:
-            size = path.stat().st_size
-            if entry.size is not None and size != entry.size:
-                raise ValueError(f"{path.name} has {size} bytes, expected {entry.size}")
-            if entry.sha256 is not None and _sha256_of(path) != entry.sha256:
-                raise ValueError(f"{path.name} does not match its SHA-256 in the manifest")
+            handle = open_regular(path)  # a regular file inside the directory, no link
         except OSError as err:
             raise ValueError(f"cannot read {path.name}: {err.strerror or err}") from err
-        try:
-            with zipfile.ZipFile(path) as archive:
-                if entry.crc32 is not None and _members_checksum(archive) != entry.crc32:
-                    raise ValueError(f"{path.name} does not match its checksum in the manifest")
-                # Every member's CRC (already covered by a legacy SHA-256 of the file).
-                damaged = None if entry.sha256 is not None else archive.testzip()
-                if damaged is not None:
-                    raise ValueError(f"member {damaged} fails its CRC")
-                raw = _read_meta(archive)
-                headers = {
-                    name[: -len(".npy")]: _member_header(archive, name)
-                    for name in archive.namelist()
-                    if name.endswith(".npy") and name != f"{_META_KEY}.npy"
-                }
-        except _UNREADABLE as err:
-            raise ValueError(f"{path.name} is not a readable checkpoint ({err})") from err
+        with handle:
+            try:
+                identity = file_identity(os.fstat(handle.fileno()))
+                size = identity[2]
+                if entry.size is not None and size != entry.size:
+                    raise ValueError(f"{path.name} has {size} bytes, expected {entry.size}")
+                if entry.sha256 is not None and _sha256_of(handle) != entry.sha256:
+                    raise ValueError(f"{path.name} does not match its SHA-256 in the manifest")
+            except OSError as err:
+                raise ValueError(f"cannot read {path.name}: {err.strerror or err}") from err
+            try:
+                with open_zip(handle) as archive:
+                    if entry.crc32 is not None and _members_checksum(archive) != entry.crc32:
+                        raise ValueError(
+                            f"{path.name} does not match its checksum in the manifest"
+                        )
+                    # Every member's CRC (already covered by a legacy SHA-256 of the file).
+                    damaged = None if entry.sha256 is not None else archive.testzip()
+                    if damaged is not None:
+                        raise ValueError(f"member {damaged} fails its CRC")
+                    raw = read_meta(archive)
+                    headers = array_headers(archive)
+            except _UNREADABLE as err:
+                raise ValueError(f"{path.name} is not a readable checkpoint ({err})") from err
         try:
             meta = CheckpointMeta.from_json(raw)
         except ValueError as err:
             raise ValueError(f"{path.name} is not a keras-mirror-kit checkpoint ({err})") from err
+        try:
+            check_layout(headers, meta)
+        except ValueError as err:
+            raise ValueError(f"{path.name} is not a readable checkpoint ({err})") from err
         shapes = {key: shape for key, (shape, _) in headers.items()}
         dtypes = {key: dtype for key, (_, dtype) in headers.items()}
-        arrays = CheckpointArrays(path, shapes, dtypes)
+        arrays = CheckpointArrays(path, shapes, dtypes, identity)
         return LoadedCheckpoint(path=path, arrays=arrays, meta=meta)
 
     def load_latest(self, require_epoch_end: bool = False) -> LoadedCheckpoint | None:

@@ -1,7 +1,9 @@
 """`keras-mirror-kit ckpt ls|verify|export DIR`: inspect, verify and export checkpoints.
 
 `ls` and `verify` read the directory with `keras_mirror_kit.checkpoint.store` alone (NumPy,
-no TensorFlow), so they answer at once; `export` builds the model with Keras.
+no TensorFlow), so they answer at once; `export` builds the model with Keras. Every input
+error (no such directory or checkpoint, one that fails verification, an architecture that
+cannot be rebuilt, a file that cannot be read or written) exits 2 with a sentence.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 from typing import Any
 
@@ -44,7 +47,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs `keras-mirror-kit ckpt ...`; returns the exit code (1: a failed check)."""
+    """Runs `keras-mirror-kit ckpt ...`; returns the exit code (1: a failed check, 2: an error)."""
     from keras_mirror_kit.checkpoint.store import CheckpointError
 
     try:
@@ -53,9 +56,17 @@ def run(args: argparse.Namespace) -> int:
         if args.ckpt_command == "verify":
             return _verify(args.directory, args.name)
         return _export(args)
-    except (CheckpointError, ValueError, FileExistsError) as err:
-        sys.stderr.write(f"keras-mirror-kit ckpt: error: {err}\n")
+    except (CheckpointError, ValueError, OSError) as err:
+        sys.stderr.write(f"keras-mirror-kit ckpt: error: {_sentence(err)}\n")
         return 2
+
+
+def _sentence(err: Exception) -> str:
+    """The message of an error; for an `OSError` without one of ours, what failed on which file."""
+    if isinstance(err, OSError) and not isinstance(err, FileExistsError) and err.strerror:
+        where = f" ({err.filename})" if err.filename else ""
+        return f"{err.strerror}{where}. Check the path and its permissions."
+    return str(err)
 
 
 def _store(directory: str) -> Any:
@@ -81,8 +92,8 @@ def rows(directory: str) -> list[dict[str, Any]]:
     for entry in entries:
         path = store.directory / entry.file
         size = entry.size
-        if size is None and path.exists():
-            size = path.stat().st_size
+        if size is None:
+            size = _regular_size(path)
         result.append(
             {
                 "file": entry.file,
@@ -101,6 +112,15 @@ def rows(directory: str) -> list[dict[str, Any]]:
             }
         )
     return result
+
+
+def _regular_size(path: Any) -> int | None:
+    """The size of a regular file (a link is not followed, not even for its size), or None."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info.st_size if stat.S_ISREG(info.st_mode) else None
 
 
 def _size(size: Any) -> str:

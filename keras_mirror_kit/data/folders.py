@@ -12,17 +12,27 @@ With a `seed`, the files are indexed in the order Keras gives them with that see
 one, they are indexed in sorted order (Keras would order them by a seed drawn at random)
 and the kit's permutation, keyed on a seed it draws and `SyncedCheckpoint` saves, does
 all the shuffling: a resumed run re-indexes the same order.
+
+Files someone else made are checked before training starts: with `follow_links=True` a
+symbolic link that leads back to a folder above it (which Keras' `os.walk` would follow
+forever) is a `ValueError`, and every image file's header is read
+(`data.image_headers`) so that one declaring more than `max_image_pixels` pixels (a
+decompression bomb) is refused before anything is decoded.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from keras_mirror_kit.data.image_headers import DEFAULT_MAX_IMAGE_PIXELS, check_image_file
 from keras_mirror_kit.data.pipeline import build_dataset, multi_worker_expected
+from keras_mirror_kit.data.preprocess import then
+from keras_mirror_kit.validation import positive_int
 
 __all__ = ["image_dataset_from_directory", "text_dataset_from_directory"]
 
@@ -91,6 +101,76 @@ def _check_common(
     return labels, label_mode
 
 
+def _class_roots(directory: str, labels: Any, class_names: Any) -> list[str]:
+    """The folders Keras' `index_directory` walks: the class folders, or `directory`."""
+    if labels != "inferred":
+        return [directory]
+    if class_names:
+        return [os.path.join(directory, name) for name in class_names]
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []  # Keras' own indexing reports it
+    return [
+        os.path.join(directory, name)
+        for name in names
+        if not name.startswith(".") and os.path.isdir(os.path.join(directory, name))
+    ]
+
+
+def _check_symlink_loops(directory: str, labels: Any, class_names: Any) -> None:
+    """Refuses a symbolic link to a folder above it, which `os.walk(followlinks=True)` loops on."""
+    from keras.src.utils.file_utils import is_remote_path
+
+    if is_remote_path(directory):
+        return  # no symbolic links in remote file systems
+    for root in _class_roots(directory, labels, class_names):
+        try:
+            info = os.stat(root)
+        except OSError:
+            continue
+        # (folder, the (st_dev, st_ino) of it and every folder above it, the last link taken)
+        stack: list[tuple[str, tuple[tuple[int, int], ...], str | None]] = [
+            (root, ((info.st_dev, info.st_ino),), None)
+        ]
+        while stack:
+            folder, above, via = stack.pop()
+            try:
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue  # os.walk skips unreadable folders too
+            for entry in entries:
+                try:
+                    if not entry.is_dir():  # follows links, as os.walk(followlinks=True)
+                        continue
+                    info = entry.stat()
+                    link = entry.path if entry.is_symlink() else via
+                except OSError:
+                    continue
+                key = (info.st_dev, info.st_ino)
+                if key in above:
+                    target = os.path.realpath(link or entry.path)
+                    raise ValueError(
+                        f"The folder {directory} holds a symbolic link that leads back to a "
+                        f"folder above it: {link} -> {target}. With follow_links=True the walk "
+                        "over the files (Keras' os.walk) would follow it forever. Remove the "
+                        "link, or pass follow_links=False. "
+                        f"Received: follow_links=True, link={link!r}"
+                    )
+                stack.append((entry.path, (*above, key), link))
+
+
+def _check_image_headers(paths: Sequence[str], max_image_pixels: int) -> None:
+    """Reads every image's header; refuses one that declares more than the pixel limit."""
+    from keras.src.utils.file_utils import is_remote_path
+
+    def remote(path: str) -> Any:
+        return tf.io.gfile.GFile(path, "rb")
+
+    for path in paths:
+        check_image_file(path, max_image_pixels, opener=remote if is_remote_path(path) else None)
+
+
 def _index(
     directory: str,
     labels: Any,
@@ -114,6 +194,8 @@ def _index(
             "A multi-worker run needs the same `seed` on every worker (each worker indexes "
             "and shuffles the files itself). Received: seed=None"
         )
+    if follow_links:
+        _check_symlink_loops(directory, labels, class_names)
     paths, found_labels, names = dataset_utils.index_directory(
         directory,
         labels,
@@ -164,26 +246,54 @@ def _datasets(
     subset: str | None,
     options: dict[str, Any],
 ) -> Any:
+    augment, drop_remainder = options.pop("augment"), options.pop("drop_remainder")
     made = []
     for i, (paths, part_labels) in enumerate(parts):
-        train = subset != "both" or i == 0
+        validation = subset == "validation" or (subset == "both" and i == 1)
         labels = None
         if label_mode is not None:
             labels = np.asarray(part_labels, dtype="int32")
+        preprocess = options["preprocess"]
+        if augment is not None and not validation:
+            preprocess = augment if preprocess is None else then(preprocess, augment)
         dataset = build_dataset(
             paths,
             labels,
             batch_size,
-            shuffle=shuffle and train,
+            # Keras' subset="both" gives an unshuffled validation set; one asked for alone
+            # is shuffled if asked. Either way it keeps every sample.
+            shuffle=shuffle and not (subset == "both" and validation),
             seed=seed,
             load=load,
             label_map=_label_map(label_mode, len(class_names) if class_names else 0),
-            **options,
+            drop_remainder=False if validation else drop_remainder,
+            **{**options, "preprocess": preprocess},
         )
         dataset.class_names = class_names  # as Keras' loader sets them
         dataset.file_paths = paths
         made.append(dataset)
     return made if subset == "both" else made[0]
+
+
+def _check_subset_options(subset: Any, augment: Any, drop_remainder: Any) -> None:
+    """`augment` and `drop_remainder=True` concern training data: not a validation subset."""
+    if augment is not None and not callable(augment):
+        raise TypeError(f"`augment` must be callable. Received: augment={augment!r}")
+    if subset != "validation":
+        return
+    if augment is not None:
+        raise ValueError(
+            "`augment` is applied to the training subset only, and subset='validation' "
+            "builds the validation subset: leave `augment` out here (pass it to the "
+            "subset='training' call), or use subset='both'. Received: subset='validation', "
+            f"augment={augment!r}"
+        )
+    if drop_remainder:
+        raise ValueError(
+            "A validation subset keeps every sample (its last batch may be partial, which "
+            "evaluation takes on any number of replicas). Received: subset='validation', "
+            "drop_remainder=True"
+        )
 
 
 def image_dataset_from_directory(
@@ -208,8 +318,10 @@ def image_dataset_from_directory(
     *,
     preprocess: Callable[[Any], Any] | None = None,
     preprocess_on: str = "auto",
+    augment: Callable[[Any], Any] | None = None,
     drop_remainder: bool | None = None,
     strict: bool = False,
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> Any:
     """Keras' `image_dataset_from_directory`, as a kit dataset that resumes exactly mid-epoch.
 
@@ -221,7 +333,12 @@ def image_dataset_from_directory(
     run each worker decodes only its own part of every batch); a shuffled (training)
     dataset drops its last partial batch unless `drop_remainder=False`; and `preprocess`
     (for example Keras' random augmentation layers) runs per batch with random draws keyed
-    on `(seed, epoch, batch)`, so augmentation is reproducible and resumes exactly.
+    on `(seed, epoch, batch)`, so augmentation is reproducible and resumes exactly. And
+    files someone else made are checked when the dataset is built, before any training
+    step: each image's header (the first few KiB) is read, and one that declares more
+    than `max_image_pixels` pixels (a decompression bomb), or is not a BMP, GIF, JPEG or
+    PNG file whatever its name, is refused; with `follow_links=True` a symbolic link back
+    to a folder above it (a loop Keras' walk never leaves) is refused.
 
     Args:
         directory: Directory of the images; with `labels="inferred"`, one subdirectory per
@@ -251,11 +368,23 @@ def image_dataset_from_directory(
             `keras.config.image_data_format()`.
         format: `"tf"` only (Keras' `"grain"` is refused).
         verbose: Print the number of files and classes found (Keras' message).
-        preprocess: Function applied to each batch of images (see `make_dataset`).
+        preprocess: Function applied to each batch of images (see `make_dataset`), in
+            every subset.
         preprocess_on: Where `preprocess` runs for kit-built models (see `make_dataset`).
-        drop_remainder: Drop the last partial batch; defaults to `shuffle`.
+        augment: Function applied to each batch of images of the training subset only,
+            after `preprocess` (random augmentation, e.g. a `keras.Sequential` of
+            `RandomFlip` and `RandomRotation` layers: its draws are keyed as
+            `preprocess`'s are): with `subset="both"` the validation subset is exactly
+            Keras' own. Not allowed with `subset="validation"`.
+        drop_remainder: Drop the last partial batch of the training data; defaults to
+            `shuffle`. A validation subset (`subset="validation"`, or the second of
+            `subset="both"`) keeps every sample, whatever `shuffle` says.
         strict: Refuse a `preprocess` whose random draws the kit cannot key, instead of a
             WARNING.
+        max_image_pixels: The most pixels an image file may declare in its header (a GIF:
+            over all its frames); defaults to Pillow's `MAX_IMAGE_PIXELS`, 89,478,485
+            (about 9459x9459). Raise it for larger trusted images; None skips the header
+            check (Keras' behaviour: every file is decoded whole, whatever it declares).
 
     Returns:
         A kit `tf.data.Dataset` of `(images, labels)` (or images) batches: float32 images
@@ -267,8 +396,12 @@ def image_dataset_from_directory(
         TypeError: On `batch_size=None` or a non-integer batch size.
         ValueError: On an argument Keras refuses (unknown `label_mode`, `color_mode`,
             `interpolation`, a bad `image_size`, `validation_split` or `subset`, a split
-            without a seed, no images found), `format="grain"`, or no `seed` in a
-            multi-worker run with `shuffle`.
+            without a seed, no images found), `format="grain"`, no `seed` in a
+            multi-worker run with `shuffle`, a non-positive `max_image_pixels`, a
+            symbolic-link loop with `follow_links=True`, or an image file that declares
+            more than `max_image_pixels` pixels (`image_headers.ImageTooLargeError`) or
+            whose header is not a BMP, GIF, JPEG or PNG one (`ImageHeaderError`); the
+            message names the file.
 
     Example:
 
@@ -305,10 +438,13 @@ def image_dataset_from_directory(
             "Only one of `crop_to_aspect_ratio` and `pad_to_aspect_ratio` can be True. "
             "Received: crop_to_aspect_ratio=True, pad_to_aspect_ratio=True"
         )
+    if max_image_pixels is not None:
+        max_image_pixels = positive_int("max_image_pixels", max_image_pixels)
     from keras.src.backend.config import standardize_data_format
     from keras.src.utils.image_dataset_utils import _load_image_tf
 
     data_format = standardize_data_format(data_format)
+    _check_subset_options(subset, augment, drop_remainder)
     parts, names, seed = _index(
         directory,
         labels,
@@ -323,6 +459,8 @@ def image_dataset_from_directory(
         label_mode,
         "images",
     )
+    if max_image_pixels is not None:
+        _check_image_headers([path for paths, _ in parts for path in paths], max_image_pixels)
     size = tuple(int(v) for v in image_size)
     load = _Load(
         f"decode_image(image_size={size}, color_mode={color_mode!r}, "
@@ -338,6 +476,7 @@ def image_dataset_from_directory(
     options = dict(
         preprocess=preprocess,
         preprocess_on=preprocess_on,
+        augment=augment,
         drop_remainder=drop_remainder,
         strict=strict,
     )
@@ -361,6 +500,7 @@ def text_dataset_from_directory(
     *,
     preprocess: Callable[[Any], Any] | None = None,
     preprocess_on: str = "auto",
+    augment: Callable[[Any], Any] | None = None,
     drop_remainder: bool | None = None,
     strict: bool = False,
 ) -> Any:
@@ -371,7 +511,8 @@ def text_dataset_from_directory(
     files); each epoch's order is a permutation keyed on `(seed, epoch)`, so
     `SyncedCheckpoint(dataset=)` resumes it exactly mid-epoch. As with
     `image_dataset_from_directory`, a shuffled dataset drops its last partial batch unless
-    `drop_remainder=False`.
+    `drop_remainder=False`, and with `follow_links=True` a symbolic link back to a folder
+    above it (a loop Keras' walk never leaves) is refused before the files are indexed.
 
     Args:
         directory: Directory of the `.txt` files; with `labels="inferred"`, one
@@ -389,9 +530,14 @@ def text_dataset_from_directory(
         follow_links: Visit subdirectories that are symbolic links.
         format: `"tf"` only.
         verbose: Print the number of files and classes found (Keras' message).
-        preprocess: Function applied to each batch of strings (see `make_dataset`).
+        preprocess: Function applied to each batch of strings (see `make_dataset`), in
+            every subset.
         preprocess_on: Where `preprocess` runs for kit-built models (see `make_dataset`).
-        drop_remainder: Drop the last partial batch; defaults to `shuffle`.
+        augment: Function applied to each batch of strings of the training subset only,
+            after `preprocess`. Not allowed with `subset="validation"`.
+        drop_remainder: Drop the last partial batch of the training data; defaults to
+            `shuffle`. A validation subset (`subset="validation"`, or the second of
+            `subset="both"`) keeps every sample, whatever `shuffle` says.
         strict: Refuse a `preprocess` whose random draws the kit cannot key.
 
     Returns:
@@ -401,8 +547,9 @@ def text_dataset_from_directory(
 
     Raises:
         TypeError: On `batch_size=None` or a non-integer batch size.
-        ValueError: On an argument Keras refuses, `format="grain"`, or no `seed` in a
-            multi-worker run with `shuffle`.
+        ValueError: On an argument Keras refuses, `format="grain"`, no `seed` in a
+            multi-worker run with `shuffle`, or a symbolic-link loop with
+            `follow_links=True` (the message names the link).
 
     Example:
 
@@ -417,6 +564,7 @@ def text_dataset_from_directory(
     )
     from keras.src.utils.text_dataset_utils import _path_to_string_content_tf
 
+    _check_subset_options(subset, augment, drop_remainder)
     parts, names, seed = _index(
         directory,
         labels,
@@ -435,6 +583,7 @@ def text_dataset_from_directory(
     options = dict(
         preprocess=preprocess,
         preprocess_on=preprocess_on,
+        augment=augment,
         drop_remainder=drop_remainder,
         strict=strict,
     )

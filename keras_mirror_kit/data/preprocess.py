@@ -17,9 +17,17 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_mirror_kit.data.augment import fold_key, takes_seed
 from keras_mirror_kit.data.info import dataset_info
 
-__all__ = ["PREPROCESS_ON", "ReplicaVariant", "preprocess_placement", "replica_variant", "rescale"]
+__all__ = [
+    "PREPROCESS_ON",
+    "ReplicaVariant",
+    "preprocess_placement",
+    "replica_variant",
+    "rescale",
+    "then",
+]
 
 #: The values of `make_dataset(preprocess_on=...)`.
 PREPROCESS_ON = ("auto", "host", "replica")
@@ -70,6 +78,58 @@ def rescale(scale: float = 1.0 / 255.0, dtype: str = "float32") -> Callable[[Any
     ```
     """
     return _Rescale(scale, dtype)
+
+
+class _Then:
+    """`x -> second(first(x))`, a per-batch `preprocess` made of two."""
+
+    def __init__(self, first: Callable[..., Any], second: Callable[..., Any]) -> None:
+        self.first = first
+        self.second = second
+
+    def __call__(self, x: Any) -> Any:
+        return self.second(self.first(x))
+
+    def __repr__(self) -> str:
+        return f"then({self.first!r}, {self.second!r})"
+
+
+class _ThenSeeded(_Then):
+    """`_Then` where a part takes the batch's `seed`: each such part gets its own key."""
+
+    def __call__(self, x: Any, seed: Any) -> Any:  # type: ignore[override]
+        for i, function in enumerate((self.first, self.second)):
+            x = function(x, seed=fold_key(seed, i)) if takes_seed(function) else function(x)
+        return x
+
+
+def then(first: Callable[..., Any], second: Callable[..., Any]) -> Callable[..., Any]:
+    """`x -> second(first(x))`: two per-batch functions as one `preprocess`.
+
+    Random draws of both are keyed as a single `preprocess`'s are; a part with a `seed`
+    parameter receives a key of its own (the chain then takes the batch's `seed`).
+
+    Args:
+        first: Applied to each batch first.
+        second: Applied to what `first` returns.
+
+    Returns:
+        The composed callable.
+
+    Raises:
+        TypeError: If either is not callable.
+
+    Example:
+
+    ```python
+    ds = kmk.make_dataset(x, y, 64, preprocess=then(kmk.rescale(), augmentation))
+    ```
+    """
+    for name, function in (("first", first), ("second", second)):
+        if not callable(function):
+            raise TypeError(f"`{name}` must be callable. Received: {name}={function!r}")
+    seeded = takes_seed(first) or takes_seed(second)
+    return (_ThenSeeded if seeded else _Then)(first, second)
 
 
 def runs_on_replicas_by_default(preprocess: Any) -> bool:

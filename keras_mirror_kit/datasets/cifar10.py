@@ -4,17 +4,19 @@
 but is explicit about where the data comes from: an archive or folder you
 name, the Keras cache, or (only if nothing local exists and `download=True`)
 the official URL. Archives are SHA-256 verified before anything in them is
-read, tar members are read in memory (nothing is ever extracted to disk), and
-the pickled batches go through the allowlisting `SafeUnpickler`.
+read, tar members are read in memory by the kit's bounded tar reader (nothing is
+ever extracted to disk), and the pickled batches go through the allowlisting,
+bounded `SafeUnpickler`: a file someone else made is refused, in bounded memory,
+when it declares more than it holds.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import http.client
 import logging
 import os
-import tarfile
 import tempfile
 import urllib.error
 import urllib.parse
@@ -25,7 +27,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from keras_mirror_kit.datasets.safe_pickle import safe_loads
+from keras_mirror_kit.datasets.bounded_tar import TarFormatError, iter_members
+from keras_mirror_kit.datasets.safe_pickle import PickleBoundsError, safe_loads
 
 __all__ = [
     "CIFAR10_ARCHIVE_NAME",
@@ -78,6 +81,9 @@ _PIXELS = 32 * 32 * 3
 _NUM_CLASSES = 10
 # An official batch pickle is ~31 MB; anything far larger is not a CIFAR-10 batch.
 _MAX_MEMBER_BYTES = 64 * 1024 * 1024
+# The official archive holds ~187 MB of tar data; six batches, the meta file and the readme
+# at the member bound each is the most a CIFAR-10 archive can hold (bounds a gzip bomb).
+_MAX_TAR_BYTES = 8 * _MAX_MEMBER_BYTES
 _CHUNK_BYTES = 1024 * 1024
 
 Split = tuple[np.ndarray, np.ndarray]
@@ -131,8 +137,11 @@ class CIFAR10FormatError(ValueError):
     """Raised when an archive or folder is not in the CIFAR-10 python format.
 
     Examples: a missing `data_batch_*`/`test_batch` member, a member that is a
-    link instead of a regular file, a batch whose `data` is not an `(N, 3072)`
-    `uint8` array, or labels outside `0..9`.
+    link instead of a regular file, a batch whose `data` is not a C-contiguous
+    `(N, 3072)` `uint8` array built from `N * 3072` bytes of the file, labels outside
+    `0..9`, a pickle that would make more than its bytes describe (zero strides, huge
+    `_reconstruct` shapes: see `safe_pickle.PickleBoundsError`), or a tar header beyond the
+    reader's bounds (see `bounded_tar`).
 
     Example:
 
@@ -266,7 +275,10 @@ def _get_key(batch: dict, key: str, source: str) -> object:
 
 def _parse_batch(raw: bytes, source: str) -> Split:
     """Unpickles one batch safely and returns `(data (N, 3072) uint8, labels (N,) uint8)`."""
-    batch = safe_loads(raw, source=source)
+    try:
+        batch = safe_loads(raw, source=source)
+    except PickleBoundsError as e:
+        raise CIFAR10FormatError(f"{source} is not a CIFAR-10 batch: {e}") from e
     if not isinstance(batch, dict):
         raise CIFAR10FormatError(
             f"{source} is not a CIFAR-10 batch: expected a pickled dict. "
@@ -287,6 +299,14 @@ def _parse_batch(raw: bytes, source: str) -> Split:
         raise CIFAR10FormatError(
             f"{source}: 'data' must be a uint8 array of shape (N, {_PIXELS}) "
             f"(R, G, B planes of 32x32, row-major). Received: data={description}"
+        )
+    if not data.flags.c_contiguous or data.nbytes > len(raw):
+        raise CIFAR10FormatError(
+            f"{source}: 'data' must be a C-contiguous array built from its own bytes in the "
+            f"file, {_PIXELS} per image, but it claims {data.nbytes} bytes of pixels in a "
+            f"{len(raw)}-byte file (or a strided layout). The file is corrupted or crafted: "
+            "delete it and get the dataset again from the official source. Received: "
+            f"data of shape {data.shape}, strides {data.strides}"
         )
     labels = np.asarray(_get_key(batch, "labels", source))
     if labels.size == 0:
@@ -349,9 +369,10 @@ def _read_tar(f: BinaryIO, where: str, url: str) -> dict[str, Split]:
     """Reads the batches of the gzip tar `f` in one pass; `where` names it in errors."""
     batches: dict[str, Split] = {}
     try:
-        # Stream mode: one sequential pass; members are read, never extracted.
-        with tarfile.open(fileobj=f, mode="r|gz") as tar:
-            for member in tar:
+        # One sequential pass through the kit's bounded tar reader (not `tarfile`, which
+        # reads extended headers whole): members are read in memory, never extracted.
+        with gzip.GzipFile(fileobj=f, mode="rb") as stream:
+            for member in iter_members(stream, where=where, max_stream_bytes=_MAX_TAR_BYTES):
                 name = member.name[2:] if member.name.startswith("./") else member.name
                 folder, _, leaf = name.partition("/")
                 if folder != CIFAR10_FOLDER_NAME or leaf not in _MEMBERS:
@@ -369,10 +390,8 @@ def _read_tar(f: BinaryIO, where: str, url: str) -> dict[str, Split]:
                     )
                 if member.size > _MAX_MEMBER_BYTES:
                     raise _too_large(source, member.size)
-                fileobj = tar.extractfile(member)
-                raw = fileobj.read() if fileobj is not None else b""
-                batches[leaf] = _parse_batch(raw, source)
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+                batches[leaf] = _parse_batch(member.read(), source)
+    except (TarFormatError, EOFError, zlib.error, OSError) as e:
         raise CIFAR10FormatError(
             f"{where} is not a readable gzip-compressed tar archive ({e}). Expected the "
             f"official {CIFAR10_ARCHIVE_NAME} from {url}. Received: path={where!r}"
@@ -580,7 +599,9 @@ def load_cifar10(
             failed; the message lists where it looked and how to provide the file.
         CIFAR10ChecksumError: If an archive's SHA-256 (or a download's) is not `sha256`.
         CIFAR10FormatError: If the data (local or downloaded) is not in the CIFAR-10
-            python format.
+            python format, or declares more than it holds (arrays larger than their
+            bytes in the file, tar extended headers over 1 MiB, more than 512 MiB of tar
+            data); the message names the file or member.
         pickle.UnpicklingError: If a batch references a global that is not allowed
             (`UnsafePickleError`) or is not a valid pickle.
         ValueError: If `path` and `cache_dir` are both given, or `sha256`/`url` is malformed.
