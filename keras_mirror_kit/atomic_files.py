@@ -260,7 +260,7 @@ def create_if_absent(path: Path, data: bytes) -> bool:
             tmp.unlink()
 
 
-def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+def open_regular(path: str | os.PathLike[str], *, follow_links: bool = False) -> BinaryIO:
     """Opens a regular file for reading, following no symbolic link and never blocking.
 
     The file is opened with `O_NOFOLLOW | O_NONBLOCK`, its type is checked on the open
@@ -270,6 +270,8 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
 
     Args:
         path: The file to open.
+        follow_links: Follow a symbolic link in the last component (a dataset's files,
+            which may be links); what it leads to must still be a regular file.
 
     Returns:
         The file, open for binary reads (the caller closes it).
@@ -287,8 +289,9 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
         data = handle.read()
     ```
     """
+    flags = _READ_FLAGS & ~getattr(os, "O_NOFOLLOW", 0) if follow_links else _READ_FLAGS
     try:
-        fd = os.open(path, _READ_FLAGS)
+        fd = os.open(path, flags)
     except OSError as err:
         if err.errno in _LINK_ERRNOS and os.path.islink(path):
             raise OSError(
@@ -307,7 +310,7 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
         raise
 
 
-def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+def read_regular(path: str | os.PathLike[str], limit: int, *, follow_links: bool = False) -> bytes:
     """The content of a regular file of at most `limit` bytes (`open_regular`).
 
     The size is checked on the open descriptor before anything is read, and no more than
@@ -317,6 +320,7 @@ def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
     Args:
         path: The file to read.
         limit: The most bytes the file may hold.
+        follow_links: As for `open_regular`.
 
     Returns:
         The file's bytes.
@@ -332,7 +336,7 @@ def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
     data = read_regular(directory / "writer.lock", 64 << 10)
     ```
     """
-    with open_regular(path) as handle:
+    with open_regular(path, follow_links=follow_links) as handle:
         size = os.fstat(handle.fileno()).st_size
         if size > limit:
             raise OSError(

@@ -15,21 +15,23 @@ zygote, or a real `subprocess.Popen` wherever a fork would not be the same proce
 
 * arguments other than `python [-u] -c CODE | -m MODULE | SCRIPT [args]`, another
   executable, `KERAS_BACKEND` other than `tensorflow` (JAX, which warns against `fork()`),
-  a value of an environment variable TensorFlow reads at import (`TF_ENABLE_ONEDNN_OPTS`,
-  `TF_CPP_MIN_LOG_LEVEL`, `TF_USE_LEGACY_KERAS`) other than the zygote's, `preexec_fn`,
-  `start_new_session`, `pass_fds`, or text input on stdin;
+  a value of an environment variable TensorFlow, Keras or the interpreter reads when it
+  starts (`IMPORT_TIME_VARIABLES`, every `KERAS_*`, another `keras.json`) other than the
+  zygote's, `preexec_fn`, `start_new_session`, `pass_fds`, or input on stdin;
 * `KMK_TEST_FORK=0` in the environment of pytest (every child a real interpreter), or the
-  zygote failing to start.
+  zygote failing to start or ending (every later child is a real interpreter; a child it
+  forked whose exit it never reported raises `ChildProcessError` from `wait`).
 
 `KMK_TEST_FORK_LOG=FILE` appends one JSON line per child started through here: forked or
 not, and its arguments.
 
 A child forked here differs from a new interpreter only in what the zygote imported
 (TensorFlow, NumPy, Keras and what they import are in `sys.modules` from the start; Keras
-wrote no `keras.json` into a `KERAS_HOME` that has none) and in its parent process (the
-zygote). Tests that check what an import loads, or the parent's pid,
-use `subprocess` directly. The child's exit follows the interpreter's own: non-daemon
-threads are joined, `atexit` handlers run, the standard streams are flushed.
+wrote no `keras.json` into a `KERAS_HOME` that has none), in its parent process (the
+zygote) and in its hash seed (the zygote's, unless `PYTHONHASHSEED` is set). Tests that
+check what an import loads, or the parent's pid, use `subprocess` directly. The child's
+exit follows the interpreter's own: non-daemon threads are joined, `atexit` handlers run,
+the standard streams are flushed.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ import runpy
 import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -55,35 +56,55 @@ from typing import Any
 
 # Read when TensorFlow (and the Keras it imports) is imported: a child must see the zygote's.
 # Besides these, every KERAS_* variable, and the keras.json that KERAS_HOME (or HOME) points at.
-IMPORT_TIME_VARIABLES = ("TF_ENABLE_ONEDNN_OPTS", "TF_CPP_MIN_LOG_LEVEL", "TF_USE_LEGACY_KERAS")
+IMPORT_TIME_VARIABLES = (
+    "TF_ENABLE_ONEDNN_OPTS", "TF_CPP_MIN_LOG_LEVEL", "TF_USE_LEGACY_KERAS",
+    # ... and what the interpreter reads when it starts
+    "PYTHONWARNINGS", "PYTHONHASHSEED", "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONDEVMODE",
+    "PYTHONFAULTHANDLER", "PYTHONSAFEPATH", "PYTHONNOUSERSITE", "PYTHONOPTIMIZE",
+    "PYTHONMALLOC", "PYTHONTRACEMALLOC", "LC_ALL", "LC_CTYPE", "LANG",
+)  # fmt: skip
 _MAX_FDS = 3
 _BASE_ENV = dict(os.environ)  # at collection, before any test's monkeypatch
 
 
-def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] = ()) -> None:  # type: ignore[assignment]
-    data = json.dumps(message).encode()
-    payload = struct.pack("!I", len(data)) + data
-    if fds:
-        sock.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-    else:
-        sock.sendall(payload)
+class _Channel:
+    """Newline-ended JSON messages over a Unix socket, file descriptors with the first."""
 
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = b""
 
-def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    fds = array.array("i")
-    data, ancdata, _, _ = sock.recvmsg(1 << 20, socket.CMSG_SPACE(_MAX_FDS * fds.itemsize))
-    for level, kind, raw in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(raw[: len(raw) - (len(raw) % fds.itemsize)])
-    if not data:
-        return None, list(fds)
-    (size,) = struct.unpack("!I", data[:4])
-    while len(data) < 4 + size:
-        more = sock.recv(1 << 20)
-        if not more:
-            return None, list(fds)
-        data += more
-    return json.loads(data[4 : 4 + size]), list(fds)
+    def send(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
+        data = json.dumps(message).encode() + b"\n"  # JSON escapes every newline it holds
+        if fds:
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+            sent = self.sock.sendmsg([data], rights)
+            self.sock.sendall(data[sent:])
+        else:
+            self.sock.sendall(data)
+
+    def pending(self) -> bool:
+        """Whether a whole message is already buffered (select would not see it)."""
+        return b"\n" in self._buffer
+
+    def receive(self) -> tuple[dict[str, Any] | None, list[int]]:
+        """The next message (None once the other end closed) and the descriptors it carried."""
+        fds = array.array("i")
+        while b"\n" not in self._buffer:
+            data, ancdata, _, _ = self.sock.recvmsg(
+                1 << 16, socket.CMSG_SPACE(_MAX_FDS * fds.itemsize)
+            )
+            for level, kind, raw in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(raw[: len(raw) - (len(raw) % fds.itemsize)])
+            if not data:
+                return None, list(fds)
+            self._buffer += data
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line), list(fds)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 # -- the zygote ----------------------------------------------------------------------------
@@ -107,13 +128,8 @@ def _child_main(request: dict[str, Any], fds: list[int]) -> None:
         mode, target, argv = request["mode"], request["target"], request["argv"]
         unbuffered = request["unbuffered"] or os.environ.get("PYTHONUNBUFFERED")
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-        sys.stdout = io.TextIOWrapper(
-            io.FileIO(1, "w", closefd=False), line_buffering=bool(unbuffered),
-            write_through=bool(unbuffered),
-        )  # fmt: skip
-        sys.stderr = io.TextIOWrapper(
-            io.FileIO(2, "w", closefd=False), line_buffering=True, errors="backslashreplace"
-        )
+        sys.stdout = _text_stream(1, bool(unbuffered), os.isatty(1), "strict")
+        sys.stderr = _text_stream(2, bool(unbuffered), True, "backslashreplace")
         sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         first = "" if mode == "-c" else os.path.dirname(os.path.abspath(target))
@@ -155,6 +171,15 @@ def _child_main(request: dict[str, Any], fds: list[int]) -> None:
     os._exit(code)
 
 
+def _text_stream(fd: int, unbuffered: bool, line_buffering: bool, errors: str) -> io.TextIOWrapper:
+    """A standard stream as CPython makes it: buffered bytes unless `-u`, then text."""
+    raw = io.FileIO(fd, "w", closefd=False)
+    binary = raw if unbuffered else io.BufferedWriter(raw)
+    return io.TextIOWrapper(
+        binary, errors=errors, line_buffering=line_buffering, write_through=unbuffered
+    )
+
+
 def _exit_code(code: object) -> int:
     if code is None:
         return 0
@@ -162,6 +187,17 @@ def _exit_code(code: object) -> int:
         return code & 0xFF
     print(code, file=sys.stderr)
     return 1
+
+
+def _die_with_parent() -> None:
+    """Linux: the zygote gets SIGKILL when the pytest process that started it dies."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere it ends when the pytest process's atexit kills it
 
 
 def serve(path: str) -> None:
@@ -175,7 +211,8 @@ def serve(path: str) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    waiting: dict[int, socket.socket] = {}
+    _die_with_parent()
+    waiting: dict[int, _Channel] = {}
     site_path = list(sys.path[1:])  # the repository (PYTHONPATH), the standard library, site
     sys.stdout.write("READY\n")
     sys.stdout.flush()
@@ -194,13 +231,13 @@ def serve(path: str) -> None:
             if conn is not None:
                 code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
                 try:
-                    _send(conn, {"returncode": code})
+                    conn.send({"returncode": code})
                 except OSError:
                     pass
                 conn.close()
         if listener in ready:
-            conn, _ = listener.accept()
-            request, fds = _recv(conn)
+            conn = _Channel(listener.accept()[0])
+            request, fds = conn.receive()
             if request is None or request.get("stop"):
                 conn.close()
                 for fd in fds:
@@ -221,7 +258,7 @@ def serve(path: str) -> None:
             for fd in fds:
                 os.close(fd)
             waiting[pid] = conn
-            _send(conn, {"pid": pid})
+            conn.send({"pid": pid})
 
 
 # -- the client ----------------------------------------------------------------------------
@@ -230,57 +267,62 @@ def serve(path: str) -> None:
 class ForkedProcess:
     """A child forked by the zygote, driven like a `subprocess.Popen`."""
 
-    def __init__(self, conn: socket.socket, pid: int, args: list[str], text: bool,
+    def __init__(self, channel: _Channel, pid: int, args: list[str], text: bool,
                  stdout: int | None, stderr: int | None) -> None:  # fmt: skip
         self.args = args
         self.pid = pid
         self.returncode: int | None = None
-        self._conn = conn
-        self._text = text
+        self._channel = channel
         self.stdin = None
         self.stdout = _reader(stdout, text)
         self.stderr = _reader(stderr, text)
+        self._outputs: dict[str, Any] = {}
+        self._readers: list[threading.Thread] | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            ready, _, _ = select.select([self._conn], [], [], 0)
-            if ready:
+            ready, _, _ = select.select([self._channel.sock], [], [], 0)
+            if ready or self._channel.pending():
                 self._collect()
         return self.returncode
 
     def _collect(self) -> None:
-        message, _ = _recv(self._conn)
-        self._conn.close()
-        # The zygote gone without a word: the child's fate is unknown; report a crash.
-        self.returncode = -signal.SIGKILL if message is None else int(message["returncode"])
+        message, _ = self._channel.receive()
+        self._channel.close()
+        if message is None:
+            raise ChildProcessError(
+                f"the tests' zygote ended before it reported the exit status of pid {self.pid}"
+            )
+        self.returncode = int(message["returncode"])
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            ready, _, _ = select.select([self._conn], [], [], timeout)
-            if not ready:
-                raise subprocess.TimeoutExpired(self.args, timeout)
+            if not self._channel.pending():
+                ready, _, _ = select.select([self._channel.sock], [], [], timeout)
+                if not ready:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
             self._collect()
         return self.returncode  # type: ignore[return-value]
 
     def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
-        outputs: dict[str, Any] = {}
-        readers = [
-            threading.Thread(target=_drain, args=(stream, outputs, name), daemon=True)
-            for name, stream in (("out", self.stdout), ("err", self.stderr))
-            if stream is not None
-        ]
-        for reader in readers:
-            reader.start()
+        if self._readers is None:  # once: a call again after a timeout goes on waiting
+            self._readers = [
+                threading.Thread(target=_drain, args=(stream, self._outputs, name), daemon=True)
+                for name, stream in (("out", self.stdout), ("err", self.stderr))
+                if stream is not None
+            ]
+            for reader in self._readers:
+                reader.start()
         deadline = None if timeout is None else time.monotonic() + timeout
-        for reader in readers:
+        for reader in self._readers:
             reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if reader.is_alive():
                 raise subprocess.TimeoutExpired(self.args, timeout)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return outputs.get("out"), outputs.get("err")
+        return self._outputs.get("out"), self._outputs.get("err")
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
+        if self.poll() is None:  # not reaped yet, so the pid is still this child's
             try:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
@@ -319,6 +361,9 @@ _zygote: dict[str, Any] = {}
 def _zygote_path() -> str | None:
     """The socket of this process's zygote, started on first use (None: it could not start)."""
     if "path" in _zygote:
+        proc = _zygote.get("proc")
+        if proc is not None and proc.poll() is not None:
+            _zygote["path"] = None  # it died: new interpreters from now on
         return _zygote["path"]
     _zygote["path"] = None
     if os.environ.get("KMK_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
@@ -330,7 +375,8 @@ def _zygote_path() -> str | None:
         [sys.executable, "-m", "tests.forkserver", path],
         env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
     )  # fmt: skip
-    if proc.stdout is None or proc.stdout.readline().strip() != "READY":
+    ready, _, _ = select.select([proc.stdout], [], [], 600)
+    if not ready or proc.stdout is None or proc.stdout.readline().strip() != "READY":
         proc.kill()
         proc.wait()
         return None
@@ -429,7 +475,7 @@ def _fd_for(spec: Any, default: int, keep: list[int]) -> tuple[int, int | None]:
 
 def popen(args: list[str], **kwargs: Any) -> Any:
     """A `subprocess.Popen(args, **kwargs)`, forked from the zygote where that is the same."""
-    env = dict(kwargs.get("env") or os.environ)
+    env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
     parsed = _parse([str(a) for a in args]) if isinstance(args, (list, tuple)) else None
     forked = parsed is not None and _servable(args, env, kwargs) and _zygote_path() is not None
     _log(args, forked)
@@ -444,26 +490,34 @@ def popen(args: list[str], **kwargs: Any) -> Any:
     else:
         err, err_read = _fd_for(kwargs.get("stderr"), 2, opened)
     mode, target, argv, unbuffered = parsed
-    cwd = kwargs.get("cwd")
+    cwd = kwargs.get("cwd") or os.getcwd()  # the caller's, as for a Popen
     request = {
         "mode": mode, "target": target, "argv": argv, "unbuffered": unbuffered,
-        "env": env, "cwd": os.fspath(cwd) if cwd is not None else None,
+        "env": env, "cwd": os.fspath(cwd),
     }  # fmt: skip
     if mode == "script":
-        request["target"] = os.path.abspath(os.path.join(os.fspath(cwd or "."), target))
+        request["target"] = os.path.join(os.fspath(cwd), target)
+    channel = _Channel(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+    try:
+        try:
+            channel.sock.connect(_zygote["path"])
+            channel.send(request, [stdin, out, err])
+            reply, _ = channel.receive()
+        finally:
+            for fd in opened:
+                os.close(fd)
+    except OSError:
+        reply = None
+    if reply is None:  # the zygote is gone: a new interpreter, and no more forks
+        channel.close()
+        for fd in (out_read, err_read):
+            if fd is not None:
+                os.close(fd)
+        _zygote["path"] = None
+        return subprocess.Popen(args, **kwargs)
     sys.audit("subprocess.Popen", sys.executable, list(args), cwd, env)  # counted as a child
     sys.audit("kmk.test.fork")
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.connect(_zygote["path"])
-        _send(conn, request, [stdin, out, err])
-        reply, _ = _recv(conn)
-    finally:
-        for fd in opened:
-            os.close(fd)
-    if reply is None:
-        raise OSError("the test zygote did not start the child")
-    return ForkedProcess(conn, int(reply["pid"]), list(args), text, out_read, err_read)
+    return ForkedProcess(channel, int(reply["pid"]), list(args), text, out_read, err_read)
 
 
 def _log(args: Any, forked: bool) -> None:

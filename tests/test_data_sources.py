@@ -135,6 +135,7 @@ def test_then_chains_two_functions_and_keys_each_seeded_part():
         ({"subset": "validation", "augment": abs}, ValueError, "training subset only"),
         ({"subset": "validation", "drop_remainder": True}, ValueError, "drop_remainder=True"),
         ({"subset": "both", "augment": "flip"}, TypeError, "Received: augment='flip'"),
+        ({"augment": abs, "preprocess_on": "replica"}, ValueError, "preprocess_on='replica'"),
     ],
 )
 def test_augment_and_drop_remainder_of_a_validation_subset_are_refused(
@@ -144,6 +145,20 @@ def test_augment_and_drop_remainder_of_a_validation_subset_are_refused(
         kmk.image_dataset_from_directory(
             images, verbose=False, seed=1, validation_split=0.5, **kwargs
         )
+
+
+def test_a_preprocess_of_features_and_labels_is_refused_when_the_dataset_is_built(images):
+    x, y = np.zeros((8, 4, 4, 3), "float32"), np.zeros(8, "int32")
+    with pytest.raises(TypeError, match=r"\(features, labels\).*preprocess=data_augmentation"):
+        kmk.make_dataset(x, y, 4, seed=0, preprocess=lambda x, y: (x, y))
+    with pytest.raises(TypeError, match="Received: augment=.*lambda"):
+        kmk.image_dataset_from_directory(
+            images, verbose=False, seed=1, augment=lambda image, label: (image, label)
+        )
+    # What Dataset.map-free code passes stays accepted: layers, x -> x, (x, seed), *args.
+    accepted = (keras.layers.RandomFlip(seed=1), lambda x: x, lambda x, seed: x, lambda *b: b[0])
+    for function in accepted:
+        kmk.make_dataset(x, y, 4, seed=0, preprocess=function)
 
 
 @pytest.mark.slow

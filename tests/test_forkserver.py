@@ -48,12 +48,13 @@ def test_each_child_configures_its_own_runtime(tmp_path) -> None:
     assert {s["cwd"] for s in seen} == {str(tmp_path)}
     assert [s["env"] for s in seen] == ["3", "1", "2"]
     if FORKING:  # forked by the zygote, not started by this process
-        assert {s["ppid"] for s in seen} != {os.getpid()}
+        assert all(s["ppid"] != os.getpid() for s in seen)
 
 
 def test_an_import_time_variable_gets_a_new_interpreter() -> None:
+    other = "1" if os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0" else "0"
     proc = forkserver.run(
-        [sys.executable, "-c", DEVICES, "1"], env=_env(TF_ENABLE_ONEDNN_OPTS="0"),
+        [sys.executable, "-c", DEVICES, "1"], env=_env(TF_ENABLE_ONEDNN_OPTS=other),
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -89,8 +90,25 @@ def test_exit_codes_signals_timeouts_and_the_interpreters_exit(tmp_path) -> None
         text=True, timeout=120,
     )  # fmt: skip
     assert by_path.stdout.split() == [str(script), "['a']", str(tmp_path)], by_path.stdout
+    module = forkserver.run(
+        [sys.executable, "-m", "tests.subproc"], env=_env(), cwd=REPO, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert module.returncode == 0, module.stderr
+    here = run("import os, sys; print(os.getcwd()); print('to err', file=sys.stderr)",
+               stderr=subprocess.STDOUT)  # fmt: skip
+    assert here.stdout.split("\n")[:2] == [os.getcwd(), "to err"], here.stdout
+    # Children that end at once: their pid and exit status may arrive in one read.
+    assert [run(f"raise SystemExit({i})").returncode for i in range(8)] == list(range(8))
     with pytest.raises(subprocess.TimeoutExpired):
         run("import time; time.sleep(600)", timeout=2)
+    slow = forkserver.popen(
+        [sys.executable, "-c", "import time; time.sleep(1); print('late')"], env=_env(),
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    with pytest.raises(subprocess.TimeoutExpired):
+        slow.communicate(timeout=0)
+    assert slow.communicate(timeout=120) == ("late\n", None)  # a second call goes on
 
 
 def test_a_running_child_is_a_popen(tmp_path) -> None:

@@ -329,6 +329,21 @@ def test_protocol5_buffer_shorter_than_its_shape_is_refused() -> None:
         safe_loads(short, source="p5")
 
 
+def test_a_shape_of_huge_integers_is_refused_before_it_is_multiplied() -> None:
+    huge = b"\x8b" + struct.pack("<i", 1 << 16) + b"\xff" * ((1 << 16) - 1) + b"\x7f"  # LONG4
+    shape = b"(" + huge * 3 + b"t"  # three 2**524287-sized dimensions
+    array = _py2_array_from((1,), _py2_str(b"\0")).replace(_py2_shape((1,)), shape, 1)
+    assert shape in array
+    with pytest.raises(PickleBoundsError, match="shape must be a tuple"):
+        safe_loads(b"\x80\x02" + array + b".", source="huge-dims")
+
+
+def test_an_image_that_is_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "x.jpg")  # Keras lists it by its name; opening it would block
+    with pytest.raises(ImageHeaderError, match="not a regular file"):
+        check_image_file(str(tmp_path / "x.jpg"), DEFAULT_MAX_IMAGE_PIXELS)
+
+
 def test_pickle_operations_are_bounded() -> None:
     blob = b"\x80\x04" + b"}" * 500_000 + b"."  # 500,000 empty dicts on the stack
     with pytest.raises(PickleBoundsError, match="more than 400000 pickle operations"):
@@ -369,6 +384,36 @@ def test_tar_extended_header_bigger_than_the_bound_is_refused_unread(kind: bytes
     with pytest.raises(TarFormatError, match=f"declares {2 * MIB} bytes"):
         list(iter_members(stream, where="h.tar", max_stream_bytes=1 << 40))
     assert stream.tell() == 512  # nothing of the declared data was read
+
+
+def test_chained_pax_headers_keep_only_what_a_member_needs() -> None:
+    import tracemalloc
+
+    def record(key: str, value: str) -> bytes:
+        body = f" {key}={value}\n"
+        size = len(body) + len(str(len(body)))
+        size += len(str(size)) - len(str(len(body)))
+        return f"{size}{body}".encode()
+
+    # 400 chained headers of 1,000 records each, all keys different, then one member.
+    def header(h: int) -> bytes:
+        data = b"".join(record(f"k{h}.{i}", "v") for i in range(1000))
+        return tar_header(b"x", len(data), b"x") + data + bytes(-len(data) % 512)
+
+    named = record("path", "folder/file")
+    blob = b"".join(header(h) for h in range(399))
+    blob += tar_header(b"x", len(named), b"x") + named + bytes(-len(named) % 512)
+    blob += tar_header(b"ignored", 3, b"0") + b"abc" + bytes(509) + bytes(1024)
+    tracemalloc.start()
+    try:
+        found = [(m.name, m.read()) for m in iter_members(
+            io.BytesIO(blob), where="t", max_stream_bytes=len(blob)
+        )]  # fmt: skip
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert found == [("folder/file", b"abc")]
+    assert peak < 4 * MIB, peak  # one header's records at a time, not 400,000 of them
 
 
 def test_tar_reader_refuses_malformed_pax_sparse_bad_checksum_and_too_much_data() -> None:

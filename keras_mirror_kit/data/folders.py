@@ -30,7 +30,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_mirror_kit.data.image_headers import DEFAULT_MAX_IMAGE_PIXELS, check_image_file
-from keras_mirror_kit.data.pipeline import build_dataset, multi_worker_expected
+from keras_mirror_kit.data.pipeline import (
+    build_dataset,
+    check_batch_function,
+    multi_worker_expected,
+)
 from keras_mirror_kit.data.preprocess import then
 from keras_mirror_kit.validation import positive_int
 
@@ -275,10 +279,19 @@ def _datasets(
     return made if subset == "both" else made[0]
 
 
-def _check_subset_options(subset: Any, augment: Any, drop_remainder: Any) -> None:
+def _check_subset_options(
+    subset: Any, augment: Any, drop_remainder: Any, preprocess_on: Any
+) -> None:
     """`augment` and `drop_remainder=True` concern training data: not a validation subset."""
-    if augment is not None and not callable(augment):
-        raise TypeError(f"`augment` must be callable. Received: augment={augment!r}")
+    if augment is not None:
+        check_batch_function(augment, "augment")
+        if preprocess_on == "replica":
+            raise ValueError(
+                "`augment` runs in the input pipeline, where the kit keys its random draws "
+                "on each batch; preprocess_on='replica' would move it onto the replicas. "
+                "Leave preprocess_on at 'auto' (or 'host') with `augment`. Received: "
+                "preprocess_on='replica', augment=" + repr(augment)
+            )
     if subset != "validation":
         return
     if augment is not None:
@@ -444,7 +457,7 @@ def image_dataset_from_directory(
     from keras.src.utils.image_dataset_utils import _load_image_tf
 
     data_format = standardize_data_format(data_format)
-    _check_subset_options(subset, augment, drop_remainder)
+    _check_subset_options(subset, augment, drop_remainder, preprocess_on)
     parts, names, seed = _index(
         directory,
         labels,
@@ -564,7 +577,7 @@ def text_dataset_from_directory(
     )
     from keras.src.utils.text_dataset_utils import _path_to_string_content_tf
 
-    _check_subset_options(subset, augment, drop_remainder)
+    _check_subset_options(subset, augment, drop_remainder, preprocess_on)
     parts, names, seed = _index(
         directory,
         labels,

@@ -11,11 +11,14 @@ file's first bytes, as `decode_image` does, not from its name. Standard library 
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
+
+from keras_mirror_kit.atomic_files import open_regular
 
 __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
@@ -304,15 +307,17 @@ def check_image_file(
     Args:
         path: The image file.
         max_image_pixels: The most pixels accepted (for a GIF, over all its frames).
-        opener: Opens `path` for binary reading; the built-in `open` when None (e.g.
-            `tf.io.gfile.GFile` for remote paths).
+        opener: Opens `path` for binary reading; when None, a regular file opened
+            without blocking (`atomic_files.open_regular`, links followed); e.g.
+            `tf.io.gfile.GFile` for remote paths.
 
     Returns:
         The `ImageSize` its header declares.
 
     Raises:
         ImageTooLargeError: If it declares more than `max_image_pixels` pixels.
-        ImageHeaderError: If its header does not give a BMP, GIF, JPEG or PNG size.
+        ImageHeaderError: If its header does not give a BMP, GIF, JPEG or PNG size, or it
+            is not a regular file (a FIFO, a device).
         OSError: If the file cannot be read.
 
     Example:
@@ -321,7 +326,13 @@ def check_image_file(
     check_image_file("PetImages/Cat/0.jpg", max_image_pixels=DEFAULT_MAX_IMAGE_PIXELS)
     ```
     """
-    with (opener or _open_binary)(path) as file:
+    try:
+        file = (opener or _open_binary)(path)
+    except OSError as err:
+        if err.errno != errno.EINVAL:  # a FIFO, a device, a folder named like an image
+            raise
+        raise _error(path, f"it is not a regular file ({err.strerror})") from err
+    with file:
         size = read_image_size(file, name=path)
     if size.pixels > max_image_pixels:
         frames = f" over {size.frames} frames" if size.frames > 1 else ""
@@ -340,5 +351,5 @@ def check_image_file(
 
 
 def _open_binary(path: str) -> BinaryIO:
-    """The built-in `open(path, "rb")`."""
-    return open(path, "rb")  # noqa: SIM115 - closed by the caller's `with`
+    """A regular file (links followed, as Keras' loader does), never blocking on a FIFO."""
+    return open_regular(path, follow_links=True)

@@ -16,6 +16,7 @@ that to resume mid-epoch without training any batch twice.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import warnings
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from keras_mirror_kit.validation import check_bool, non_negative_int, positive_i
 
 __all__ = [
     "build_dataset",
+    "check_batch_function",
     "finish_dataset",
     "make_dataset",
     "multi_worker_expected",
@@ -101,7 +103,9 @@ def make_dataset(
             also keys the random draws of `preprocess` and `load` (see below).
         preprocess: Function applied to each batch of features after batching (for example
             `kmk.rescale()` to cast uint8 images to float in [0, 1], or Keras' random
-            preprocessing layers). Its random draws are keyed on (seed, epoch, batch): Keras
+            preprocessing layers); it takes the features alone (labels pass through), so
+            a function of `(features, labels)` as `Dataset.map` takes is a `TypeError`
+            when the dataset is built. Its random draws are keyed on (seed, epoch, batch): Keras
             layers and `keras.random` with a `SeedGenerator` draw stateless seeds from that
             key, and a function with a `seed` parameter without a default receives it (an
             int64 tensor of shape [2], for `tf.random.stateless_*` and
@@ -333,8 +337,8 @@ def _check_batch_size(batch_size: Any) -> int:
 
 def _placement(preprocess: Any, preprocess_on: str) -> str | None:
     """Where `preprocess` runs for kit-built models: "replica", "host" or None (none given)."""
-    if preprocess is not None and not callable(preprocess):
-        raise TypeError(f"`preprocess` must be callable. Received: preprocess={preprocess!r}")
+    if preprocess is not None:
+        check_batch_function(preprocess, "preprocess")
     if preprocess_on not in PREPROCESS_ON:
         raise ValueError(
             f"`preprocess_on` must be one of {', '.join(map(repr, PREPROCESS_ON))}. "
@@ -361,6 +365,34 @@ def _placement(preprocess: Any, preprocess_on: str) -> str | None:
     ):
         return "replica"
     return "host"
+
+
+def check_batch_function(function: Any, argument: str) -> None:
+    """Refuses a non-callable, or a function of `(features, labels)` as `Dataset.map` takes."""
+    if not callable(function):
+        raise TypeError(f"`{argument}` must be callable. Received: {argument}={function!r}")
+    if _required_positional(function) > 1:
+        raise TypeError(
+            f"`{argument}` is called with each batch of features alone (x -> x), not with "
+            "(features, labels) as a function given to Dataset.map is: labels pass through "
+            "unchanged. For keras-io's `ds.map(lambda x, y: (data_augmentation(x), y))` "
+            f"pass {argument}=data_augmentation, or a function of the features: "
+            f"{argument}=lambda x: ... Received: {argument}={describe(function)}"
+        )
+
+
+def _required_positional(function: Any) -> int:
+    """How many positional arguments `function` needs (besides `seed`); 0 if unknown."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return 0
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(
+        1
+        for p in parameters
+        if p.kind in kinds and p.default is inspect.Parameter.empty and p.name != "seed"
+    )
 
 
 def _num_samples(arrays: tuple[Any, ...]) -> int:

@@ -174,6 +174,9 @@ def _text(field: bytes) -> str:
     return field.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
 
 
+_PAX_KEYS = frozenset({"path", "linkpath", "size"})  # the pax keys a member's reading needs
+
+
 def _pax_records(data: bytes, where: str) -> dict[str, str]:
     """The `"%d %s=%s\\n"` records of a pax header, checked in one linear pass."""
     records: dict[str, str] = {}
@@ -275,11 +278,16 @@ def iter_members(stream: BinaryIO, *, where: str, max_stream_bytes: int) -> Iter
                 overrides[key] = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             else:
                 records = _pax_records(data, where)
-                (global_overrides if kind == b"g" else overrides).update(records)
+                # Only what a member's name, size and kind need is kept (a few keys, however
+                # many records the headers hold), so chained headers cost no memory.
+                kept = {k: v for k, v in records.items() if k in _PAX_KEYS}
+                if any(k.startswith("GNU.sparse.") for k in records):
+                    kept["GNU.sparse."] = ""
+                (global_overrides if kind == b"g" else overrides).update(kept)
             continue
         applied = {**global_overrides, **overrides}
         overrides = {}
-        if kind == _SPARSE or any(k.startswith("GNU.sparse.") for k in applied):
+        if kind == _SPARSE or "GNU.sparse." in applied:
             raise TarFormatError(
                 f"{where} holds a sparse member ({name!r}); sparse files are not supported. "
                 f"Received: member type={kind!r}"

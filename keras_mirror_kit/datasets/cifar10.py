@@ -12,6 +12,7 @@ when it declares more than it holds.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import http.client
@@ -27,6 +28,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from keras_mirror_kit.atomic_files import read_regular
 from keras_mirror_kit.datasets.bounded_tar import TarFormatError, iter_members
 from keras_mirror_kit.datasets.safe_pickle import PickleBoundsError, safe_loads
 
@@ -411,10 +413,17 @@ def _read_folder(folder: Path) -> dict[str, Split]:
         file = folder / member
         if not file.is_file():
             continue  # reported together with the other missing members
-        size = file.stat().st_size
-        if size > _MAX_MEMBER_BYTES:
-            raise _too_large(str(file), size)
-        batches[member] = _parse_batch(file.read_bytes(), str(file))
+        try:  # the size checked on the open file, which must be a regular one
+            raw = read_regular(file, _MAX_MEMBER_BYTES, follow_links=True)
+        except OSError as err:
+            if err.errno == errno.EFBIG:
+                raise _too_large(str(file), file.stat().st_size) from err
+            raise CIFAR10FormatError(
+                f"Cannot read {file}: {err.strerror or err}. Each batch must be a regular "
+                "file: delete what is there and put the batch file itself in its place. "
+                f"Received: path={str(file)!r}"
+            ) from err
+        batches[member] = _parse_batch(raw, str(file))
     return batches
 
 

@@ -163,6 +163,18 @@ def _first_attr(modules: tuple[str, ...], name: str) -> Any:
     raise ImportError(f"None of {modules} provides `{name}`.")  # pragma: no cover
 
 
+def _shape_repr(shape: Any) -> str:
+    """A short repr of a claimed shape whose integers may be too long to print."""
+    if type(shape) is not tuple:
+        return _short.repr(shape)
+    shown = [
+        f"<an integer of {d.bit_length()} bits>" if type(d) is int and d.bit_length() > 64
+        else _short.repr(d)
+        for d in shape[:8]
+    ]  # fmt: skip
+    return "(" + ", ".join(shown) + (", ..." if len(shape) > 8 else "") + ")"
+
+
 class _RefusedCall:
     """Stands in for `numpy.ndarray`: a valid argument of `_reconstruct`, never called."""
 
@@ -317,15 +329,16 @@ class SafeUnpickler(pickle._Unpickler):
             self._decoded_bytes = total
 
     def _check_shape(self, shape: Any) -> tuple[int, ...]:
-        """`shape` if it is a tuple of at most 32 non-negative Python ints."""
+        """`shape` if it is a tuple of at most 32 ints in [0, 2**63) (NumPy's own bound)."""
         if (
             type(shape) is not tuple
             or len(shape) > _MAX_DIMS
-            or not all(type(d) is int and d >= 0 for d in shape)
+            or not all(type(d) is int and 0 <= d < 2**63 for d in shape)
         ):
             raise self._refuse(
-                f"an array shape must be a tuple of at most {_MAX_DIMS} non-negative integers",
-                f"shape={_short.repr(shape)}",
+                f"an array shape must be a tuple of at most {_MAX_DIMS} non-negative integers "
+                "below 2**63",
+                f"shape={_shape_repr(shape)}",
             )
         return shape
 
@@ -346,7 +359,7 @@ class SafeUnpickler(pickle._Unpickler):
 
     def _check_buffer(self, shape: tuple[int, ...], dtype: np.dtype, nbytes: int) -> None:
         """Refuses a buffer that is not exactly the bytes of `shape` and `dtype`."""
-        needed = math.prod(shape) * dtype.itemsize
+        needed = math.prod(shape) * dtype.itemsize  # 32 factors below 2**63: cheap
         if nbytes != needed:
             raise self._refuse(
                 f"an array of shape {_short.repr(shape)} and dtype {dtype} needs exactly "
