@@ -230,7 +230,7 @@ def parse_jpeg(record):
     return tf.image.resize(image, (224, 224)), example["label"]
 
 
-def resume_latency(folder: Path, base: Path, repeats: int) -> None:
+def resume_latency(folder: Path, base: Path, repeats: int, plot: str | None = None) -> None:
     import keras_mirror_kit as kmk
 
     say("## time to the first batch of an epoch resumed at 0%, 50%, 90% (224x224, batch 64)")
@@ -243,6 +243,7 @@ def resume_latency(folder: Path, base: Path, repeats: int) -> None:
     keras_ds = make("keras", folder, 224)
     say("| source | 0% | 50% | 90% | 90% / 0% |")
     say("|---|---:|---:|---:|---:|")
+    drawn: dict[str, list[float]] = {}
     for name, dataset in [*sources.items(), ("Keras' loader, `ds.skip(k)`", keras_ds)]:
         cursor = kmk.cursor_of(dataset)
         num_batches = cursor.num_batches if cursor else int(dataset.cardinality())
@@ -263,7 +264,39 @@ def resume_latency(folder: Path, base: Path, repeats: int) -> None:
         medians = [statistics.median(times[fraction]) for fraction in fractions]
         cells = " | ".join(f"{m * 1000:.0f} ms" for m in medians)
         say(f"| {name} | {cells} | {medians[2] / medians[0]:.2f}x |")
+        drawn[name] = medians
     say()
+    if plot:
+        _plot_resume(drawn, plot, num_files=sum(1 for _ in folder.rglob("*.jpg")))
+        say(f"wrote {plot}")
+
+
+def _plot_resume(medians: dict[str, list[float]], path: str, num_files: int) -> None:
+    """A bar chart of the time to the first batch at 0%, 50% and 90% of an epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 3.6), dpi=120)
+    width = 0.8 / len(medians)
+    colors = ["#2f6db5", "#6aa84f", "#b7b7b7"]
+    for i, (name, values) in enumerate(medians.items()):
+        xs = [x + (i - (len(medians) - 1) / 2) * width for x in range(3)]
+        label = name.replace("`", "") if name.startswith("Keras") else f"kit: {name}"
+        bars = ax.bar(xs, [v * 1000 for v in values], width, label=label, color=colors[i % 3])
+        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+    ax.set_xticks(range(3), ["resumed at 0%", "at 50%", "at 90% of the epoch"])
+    ax.set_ylabel("ms to the first batch")
+    ax.set_title(
+        f"Resuming mid-epoch: time to the first batch ({num_files} JPEGs, 224x224, batch 64)",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8, frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def main() -> int:
@@ -275,6 +308,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--dir", help="where to write (and keep) the folders")
     parser.add_argument("--skip", default="", help="comma list of: throughput,rss,resume")
+    parser.add_argument("--plot", help="draw the resume latencies into this PNG file")
     parser.add_argument("--child-rss", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_rss:
@@ -291,7 +325,7 @@ def main() -> int:
     if "throughput" not in skip:
         throughput(folder, args.rounds)
     if "resume" not in skip:
-        resume_latency(folder, base, args.repeats)
+        resume_latency(folder, base, args.repeats, args.plot)
     if "rss" not in skip:
         rss(base, [int(v) for v in args.rss_files.split(",")])
     return 0

@@ -10,6 +10,9 @@
   model's record (`batch_plan`, read by `ThroughputMonitor`);
 * run the callbacks that add figures to `logs` first, so loggers listed before them still
   see their figures;
+* evaluate every sample of a kit dataset given to `evaluate` or as `validation_data`,
+  also of one that drops its last partial batch for training (`DatasetInfo.whole`; not on
+  JAX, which refuses a last batch it cannot split over the replicas);
 * key the order of a kit dataset's epoch on Keras' epoch number (`EpochOrder`), so epoch
   `e` sees the order of epoch `e` whatever else iterated the dataset before (Keras' own
   first-batch build, a peek, an `evaluate`) and whichever callbacks are listed;
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import keras
 
 from keras_mirror_kit import backends
+from keras_mirror_kit.data.info import dataset_info
 from keras_mirror_kit.distribution import Distribution
 from keras_mirror_kit.fit_inputs import (
     BatchPlan,
@@ -158,6 +162,12 @@ def _with_epoch_order(callbacks: Any, x: Any) -> Any:
     return [EpochOrder(cursor), *_listed(callbacks)]
 
 
+def _whole(data: Any) -> Any:
+    """A kit dataset that drops its last partial batch, as one that keeps it (evaluation)."""
+    info = dataset_info(data)
+    return info.whole() if info is not None and info.whole is not None else data
+
+
 def batch_plan(model: Any) -> BatchPlan | None:
     """The batch the running `fit` of a model the kit prepared uses; None outside a `fit`."""
     record = record_of(model)
@@ -191,6 +201,10 @@ def install(model: Any, dist: Distribution) -> None:
         ) -> Any:
             bound = _signature.bind_partial(*args, **kwargs)
             given = bound.arguments
+            if not backend.SHARDS_EACH_BATCH:  # JAX refuses a last batch it cannot split
+                for argument in ("validation_data",) if _method == "fit" else ("x",):
+                    if _method != "predict" and argument in given:
+                        given[argument] = _whole(given[argument])
             for argument in _data:
                 check_input(given.get(argument), dist, _method, argument)
             check_step_arguments(model, **{name: given.get(name) for name in _steps})

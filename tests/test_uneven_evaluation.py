@@ -157,3 +157,21 @@ def test_plain_keras_still_fails_on_an_uneven_first_batch(weights):
     y = np.zeros(29, "int32")
     with pytest.raises(tf.errors.InvalidArgumentError, match="AddN"):
         model.evaluate(x, y, batch_size=32, verbose=0)  # one batch, split 15/14
+
+
+def test_a_shuffled_kit_dataset_is_evaluated_and_validated_whole():
+    x, y = _images(45, seed=11)  # 2 full global batches and 13 samples
+    model = _build(TWO)
+    ds = kmk.make_dataset(x, y, GLOBAL, seed=0)  # shuffled: training drops the 13
+    assert sum(len(b) for _, b in ds) == 32
+    reference = model.evaluate(x, y, batch_size=GLOBAL, verbose=0, return_dict=True)
+    whole = model.evaluate(ds, verbose=0, return_dict=True)
+    for name, value in reference.items():
+        assert abs(whole[name] - value) <= TOLERANCE, (name, whole, reference)
+    # As validation_data: the epoch's val_loss is the loss of all 45 samples too.
+    train = kmk.make_dataset(x[:32], y[:32], GLOBAL, seed=1)
+    weights = model.get_weights()
+    history = model.fit(train, validation_data=ds, epochs=1, verbose=0)
+    after = model.evaluate(x, y, batch_size=GLOBAL, verbose=0, return_dict=True)
+    assert abs(history.history["val_loss"][0] - after["loss"]) <= TOLERANCE
+    model.set_weights(weights)

@@ -29,6 +29,9 @@ class DatasetInfo:
         preprocess_on: `"replica"` (kit-built models apply `preprocess` on each replica),
             `"host"` (in the input pipeline) or None (no `preprocess`).
         variant: The stored-dtype twin when `preprocess_on == "replica"`, else None.
+        whole: For a dataset that drops its last partial batch, a function that builds
+            the same dataset keeping it (what `evaluate` and `validation_data` iterate),
+            else None.
     """
 
     cursor: DatasetCursor
@@ -37,6 +40,7 @@ class DatasetInfo:
     preprocess_on: str | None = None
     # A `data.preprocess.ReplicaVariant` (typed loosely: that module reads this one).
     variant: Any = None
+    whole: Any = None
 
 
 _INFOS: weakref.WeakKeyDictionary[Any, DatasetInfo] = weakref.WeakKeyDictionary()

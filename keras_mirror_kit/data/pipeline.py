@@ -16,6 +16,7 @@ that to resume mid-epoch without training any batch twice.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import warnings
@@ -130,6 +131,9 @@ def make_dataset(
             `evaluate`, validation and `predict` (each replica takes its part, some none);
             `fit` refuses, before any step, to train on one that does not split evenly
             over the model's replicas (that step would weigh its samples unequally).
+            Given to `evaluate`, or to `fit` as `validation_data`, of a model the kit
+            built, a dataset that drops its last batch is evaluated whole all the same
+            (on TensorFlow; JAX refuses a last batch it cannot split).
         num_replicas: Deprecated, without effect (a `DeprecationWarning` when given).
         prefetch: Add a `prefetch(tf.data.AUTOTUNE)` at the end.
         load: A function of one item of `x` returning that sample's features (tensors of
@@ -227,11 +231,19 @@ def build_dataset(
     n = _num_samples(tensors)
     num_batches = _num_batches(n, batch_size, drop)
     cursor = DatasetCursor(num_batches, seed=seed, seed_given=seed_given, num_samples=n)
+    whole = None
+    if num_batches * batch_size < n and drop:  # what evaluation iterates: every sample
+        whole = functools.partial(
+            build_dataset, x, y, batch_size, shuffle=shuffle, seed=seed,
+            preprocess=preprocess, preprocess_on=preprocess_on, drop_remainder=False,
+            prefetch=prefetch, load=load, strict=strict, label_map=label_map,
+        )  # fmt: skip
     info = DatasetInfo(
         cursor,
         batch_size,
         epoch_samples=n if not drop else num_batches * batch_size,
         preprocess_on=placement,
+        whole=whole,
     )
     if load is not None:
         part = worker_slice()

@@ -122,6 +122,8 @@ def then(first: Callable[..., Any], second: Callable[..., Any]) -> Callable[...,
     Example:
 
     ```python
+    from keras_mirror_kit.data.preprocess import then
+
     ds = kmk.make_dataset(x, y, 64, preprocess=then(kmk.rescale(), augmentation))
     ```
     """
