@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ __all__ = [
     "is_array_data",
     "plan_batches",
     "replica_parts",
+    "steps_after_kit_dataset",
     "training_last_batch",
 ]
 
@@ -162,16 +164,39 @@ def plan_batches(
     return BatchPlan(size, None if steps_per_epoch else _epoch_samples(x))
 
 
+def _walk(dataset: Any) -> Iterator[Any]:
+    """The nodes of a pipeline from `dataset` down its single inputs (at most 256)."""
+    node = dataset
+    for _ in range(256):
+        if node is None:
+            return
+        yield node
+        node = getattr(node, "_input_dataset", None)
+
+
 def _find(dataset: Any, through: tuple[str, ...]) -> tuple[DatasetInfo | None, Any]:
     """The first kit `DatasetInfo` down the pipeline through `through` nodes, and the node
     where the walk stopped."""
-    node = dataset
-    for _ in range(256):
+    node = None
+    for node in _walk(dataset):
         info = dataset_info(node)
         if info is not None or type(node).__name__ not in through:
             return info, node
-        node = getattr(node, "_input_dataset", None)
     return None, node
+
+
+def steps_after_kit_dataset(dataset: Any) -> tuple[Any, list[str]]:
+    """The cursor of the kit dataset a pipeline is built on (through any steps) and the
+    steps after it, as `Dataset` method names (`["map", "prefetch"]`); `(None, [])` if none."""
+    steps: list[str] = []
+    for node in _walk(dataset):
+        info = dataset_info(node)
+        if info is not None:
+            return info.cursor, steps
+        name = type(node).__name__.strip("_").removesuffix("Dataset") or "dataset"
+        steps.insert(0, name[0].lower() + "".join(f"_{c.lower()}" if c.isupper() else c
+                                                  for c in name[1:]))  # fmt: skip
+    return None, []
 
 
 def dataset_batch_size(dataset: Any) -> int | None:
@@ -292,6 +317,7 @@ def _check_worker_part(x: Any, dist: Distribution, method: str, argument: str) -
             "so that it knows the replicas. "
             f"Received: {argument}={type(x).__name__}"
         )
+
 
 def check_even_batches(given: dict[str, Any], dist: Distribution, method: str) -> None:
     """For a backend that shards each batch over the devices (JAX): every batch of the call's

@@ -250,6 +250,23 @@ def test_fit_on_another_dataset_than_the_one_given_is_refused_before_any_step(tm
     assert npz_files(tmp_path) == []
 
 
+def test_a_pipeline_built_on_the_given_dataset_is_refused_naming_its_steps(tmp_path):
+    given = dataset()
+    model, counter = build("sgd"), CountBatches()
+    # .map() and .prefetch() keep the kit dataset's batches (its cursor is found through
+    # them); a rebatching does not, and its position would not be the one saved.
+    with pytest.raises(ValueError, match=r"unbatch -> batch after it.*preprocess=") as refused:
+        model.fit(
+            given.unbatch().batch(16),
+            epochs=2,
+            verbose=0,
+            callbacks=[SyncedCheckpoint(tmp_path, save_freq=1, dataset=given), counter],
+        )
+    assert "No step was trained" in str(refused.value)
+    assert counter.batches == 0 and int(model.optimizer.iterations.numpy()) == 0
+    assert npz_files(tmp_path) == []
+
+
 def test_fit_of_a_model_the_kit_did_not_build_on_another_dataset_is_refused(tmp_path):
     given, trained = dataset(), dataset()
     keras.utils.set_random_seed(3)
@@ -336,6 +353,7 @@ def test_a_full_rerun_of_stages_with_equal_epochs_goes_stage_by_stage(tmp_path):
     model, ds = build("sgd"), dataset()
     stages(model, ds, [SyncedCheckpoint(tmp_path / "ref", dataset=ds)])
     reference = model.get_weights()
+
     class CrashInStageTwo(StopAt):
         fits = 0
 
@@ -348,8 +366,7 @@ def test_a_full_rerun_of_stages_with_equal_epochs_goes_stage_by_stage(tmp_path):
 
     model, ds = build("sgd"), dataset()
     with pytest.raises(KeyboardInterrupt):  # crash in stage 2, its epoch 1
-        stages(model, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds),
-                           CrashInStageTwo(1, 2)])
+        stages(model, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds), CrashInStageTwo(1, 2)])
     fresh, ds, counter = build("sgd", seed=99), dataset(), CountBatches()
     stages(fresh, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds), counter])
     assert counter.batches == 6  # stage 2's epoch 1 again, from its boundary; nothing else

@@ -36,6 +36,7 @@ from keras_mirror_kit.checkpoint.meta import CheckpointMeta
 from keras_mirror_kit.checkpoint.preemption import PreemptionGuard
 from keras_mirror_kit.checkpoint.restore import model_config
 from keras_mirror_kit.checkpoint.resume import (
+    check_fit_dataset,
     check_whole_epochs,
     check_workers_agree,
     data_description,
@@ -52,7 +53,6 @@ from keras_mirror_kit.checkpoint.start_state import StartState
 from keras_mirror_kit.checkpoint.state import build_optimizer, state_variables
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.data import cursor_of
-from keras_mirror_kit.fit_inputs import dataset_cursor
 from keras_mirror_kit.model_record import engine_of, is_chief
 from keras_mirror_kit.validation import (
     check_bool,
@@ -538,11 +538,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
 
     def check_fit_data(self, x: Any) -> None:
         """Refuses `fit`'s data unless it is the `dataset=` given (`fit_wrapper.FitHooks`)."""
-        found = dataset_cursor(x)
-        if self._cursor is not None and found is not None and found is not self._cursor:
-            raise other_dataset_error(
-                self._cursor, "fit() was given another kmk.make_dataset object"
-            )
+        check_fit_dataset(self._cursor, x)
 
     def _epoch_length(self) -> int | None:
         if self._cursor is not None:

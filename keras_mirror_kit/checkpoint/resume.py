@@ -20,6 +20,7 @@ from keras_mirror_kit import backends
 from keras_mirror_kit.checkpoint.meta import CheckpointMeta, DataDescription
 from keras_mirror_kit.checkpoint.state import apply_state
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
+from keras_mirror_kit.fit_inputs import dataset_cursor, steps_after_kit_dataset
 from keras_mirror_kit.model_record import distribution_of
 
 if TYPE_CHECKING:  # data.cursor imports TensorFlow: not for a JAX-only install
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # data.cursor imports TensorFlow: not for a JAX-only install
 __all__ = [
     "MidEpochSkip",
     "ResumePlan",
+    "check_fit_dataset",
     "check_whole_epochs",
     "check_workers_agree",
     "data_description",
@@ -423,6 +425,32 @@ def other_dataset_error(cursor: DatasetCursor, why: str) -> ValueError:
         f"Received: dataset={type(cursor).__name__} of "
         f"{cursor.num_batches} batches not iterated by fit()"
     )
+
+
+def check_fit_dataset(cursor: DatasetCursor | None, x: Any) -> None:
+    """Refuses `fit`'s `x` unless it is the dataset `SyncedCheckpoint(dataset=)` names.
+
+    Raises:
+        ValueError: For another kit dataset, or a pipeline built on this one (`.map()`,
+            `.cache()`, ...), naming the steps after it and what to write instead.
+    """
+    if cursor is None:
+        return
+    found = dataset_cursor(x)
+    if found is not None and found is not cursor:
+        raise other_dataset_error(cursor, "fit() was given another kmk.make_dataset object")
+    upstream, steps = steps_after_kit_dataset(x) if found is None else (None, [])
+    if upstream is cursor and steps:
+        raise ValueError(
+            "fit() was given a pipeline built on the dataset of SyncedCheckpoint(dataset=...): "
+            f"{' -> '.join(steps)} after it. A checkpoint saves the kit dataset's position, "
+            "and what the steps after it do is not part of it, so the kit cannot resume "
+            "that pipeline exactly. Pass the kit dataset itself to fit(), with the per-batch "
+            "work in make_dataset(preprocess=...) (or augment= for a folder's training "
+            "subset; the kit batches and prefetches already), or leave out dataset= (the "
+            "checkpoints then resume at epoch boundaries). No step was trained. "
+            f"Received: x={type(x).__name__} ({' -> '.join(['kit dataset', *steps])})"
+        )
 
 
 def check_workers_agree(
