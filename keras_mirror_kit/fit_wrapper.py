@@ -162,6 +162,10 @@ def _with_epoch_order(callbacks: Any, x: Any) -> Any:
     return [EpochOrder(cursor), *_listed(callbacks)]
 
 
+# The argument of each method that is evaluated (every sample counts, none is trained).
+_EVALUATED = {"fit": "validation_data", "evaluate": "x"}
+
+
 def _whole(data: Any) -> Any:
     """A kit dataset that drops its last partial batch, as one that keeps it (evaluation)."""
     info = dataset_info(data)
@@ -201,10 +205,9 @@ def install(model: Any, dist: Distribution) -> None:
         ) -> Any:
             bound = _signature.bind_partial(*args, **kwargs)
             given = bound.arguments
-            if not backend.SHARDS_EACH_BATCH:  # JAX refuses a last batch it cannot split
-                for argument in ("validation_data",) if _method == "fit" else ("x",):
-                    if _method != "predict" and argument in given:
-                        given[argument] = _whole(given[argument])
+            evaluated = _EVALUATED.get(_method)
+            if evaluated in given and not backend.SHARDS_EACH_BATCH:  # JAX: as it was given
+                given[evaluated] = _whole(given[evaluated])
             for argument in _data:
                 check_input(given.get(argument), dist, _method, argument)
             check_step_arguments(model, **{name: given.get(name) for name in _steps})

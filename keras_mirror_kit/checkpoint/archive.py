@@ -36,7 +36,12 @@ from typing import BinaryIO
 
 import numpy as np
 
-from keras_mirror_kit.checkpoint.meta import CheckpointMeta, callback_array_keys, parse_json
+from keras_mirror_kit.checkpoint.meta import (
+    CheckpointMeta,
+    callback_array_keys,
+    parse_json,
+    shortened,
+)
 
 __all__ = [
     "CENTRAL_DIRECTORY_LIMIT",
@@ -79,9 +84,8 @@ def file_identity(info: os.stat_result) -> tuple[int, int, int, int]:
 
 
 def _short(name: str) -> str:
-    """`repr(name)`, cut to 80 characters (a member name of a hostile file)."""
-    text = repr(name)
-    return text if len(text) <= 80 else f"{text[:77]}..."
+    """`repr(name)`, shortened (a member name of a hostile file)."""
+    return shortened(repr(name), 80)
 
 
 def valid_key(key: str) -> bool:

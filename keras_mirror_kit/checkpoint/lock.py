@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from keras_mirror_kit.atomic_files import create_if_absent, link_if_absent, read_regular
-from keras_mirror_kit.checkpoint.meta import parse_json
+from keras_mirror_kit.checkpoint.meta import parse_json, shortened
 from keras_mirror_kit.checkpoint.store import CheckpointError
 
 __all__ = ["LOCK_FILE", "CheckpointLockedError", "DirectoryLock", "StaleLockWarning"]
@@ -293,9 +293,8 @@ class DirectoryLock:
 
 
 def _short(value: Any) -> str:
-    """A field of a lock record for a message: its text, cut to 80 characters."""
-    text = str(value)
-    return text if len(text) <= 80 else f"{text[:77]}..."
+    """A field of a lock record for a message: its text, shortened."""
+    return shortened(str(value), 80)
 
 
 def _load_record(path: Path) -> tuple[dict[str, Any] | None, str]:

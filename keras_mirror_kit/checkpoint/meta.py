@@ -47,6 +47,7 @@ __all__ = [
     "manifest_json",
     "parse_json",
     "read_manifest_json",
+    "shortened",
 ]
 
 FORMAT = "keras-mirror-kit-checkpoint"
@@ -97,10 +98,14 @@ def _whole(value: object, key: object, minimum: int | None = 0) -> int:
     return number
 
 
+def shortened(text: str, limit: int = 60) -> str:
+    """`text` cut to `limit` characters (a name or value of a hostile file, in a message)."""
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def _short(value: object) -> str:
-    """`repr(value)`, cut to 60 characters (for messages about a hostile file)."""
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}..."
+    """`repr(value)`, shortened."""
+    return shortened(repr(value))
 
 
 def _int(data: Mapping[str, Any], key: str, minimum: int | None = 0) -> int | None:

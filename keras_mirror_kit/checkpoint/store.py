@@ -95,8 +95,6 @@ logger = logging.getLogger("keras_mirror_kit")
 _TMP_RE = re.compile(
     r"\.(ckpt-[0-9]{8}\.npz|manifest\.json|write-probe|writer\.lock)\.[0-9a-f]+\.tmp"
 )  # fullmatch
-_META_KEY = META_KEY
-_UNREADABLE = UNREADABLE
 MANIFEST_LIMIT = 8 << 20  # about 30,000 entries
 _CHUNK = 1 << 20  # bytes per read when verifying a file; bytes per write (x16)
 
@@ -295,7 +293,7 @@ def _write_npz(
     with zipfile.ZipFile(out, mode="w", compression=zipfile.ZIP_STORED) as archive:  # type: ignore[arg-type]
         names: set[str] = set()
         for key, value in arrays:
-            if key in names or key == _META_KEY:
+            if key in names or key == META_KEY:
                 raise ValueError(f"duplicate array name in a checkpoint: {key!r}")
             if not valid_key(key):  # what a read would refuse
                 raise ValueError(
@@ -308,7 +306,7 @@ def _write_npz(
                 _write_array(member, value)  # type: ignore[arg-type]
             del value  # one array at a time
         blob = np.frombuffer(json.dumps(meta.to_json()).encode("utf-8"), dtype=np.uint8)
-        with archive.open(f"{_META_KEY}.npy", "w", force_zip64=True) as member:
+        with archive.open(f"{META_KEY}.npy", "w", force_zip64=True) as member:
             _write_array(member, blob)  # type: ignore[arg-type]
     return _members_checksum(archive), out.size
 
@@ -446,7 +444,7 @@ class CheckpointStore:
         try:
             with open_regular(self.directory / name) as handle, open_zip(handle) as archive:
                 meta = CheckpointMeta.from_json(read_meta(archive))
-        except _UNREADABLE:
+        except UNREADABLE:
             return ManifestEntry(file=name, index=checkpoint_index(name) or 0, unreadable=True)
         return ManifestEntry.of(meta, name)
 
@@ -568,7 +566,7 @@ class CheckpointStore:
                         raise ValueError(f"member {damaged} fails its CRC")
                     raw = read_meta(archive)
                     headers = array_headers(archive)
-            except _UNREADABLE as err:
+            except UNREADABLE as err:
                 raise ValueError(f"{path.name} is not a readable checkpoint ({err})") from err
         try:
             meta = CheckpointMeta.from_json(raw)
