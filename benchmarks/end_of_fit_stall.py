@@ -120,7 +120,10 @@ def child(path: str, steps: int, epochs: int, result_file: str) -> int:
 
         model = build()
         train_data = kmk.make_dataset(
-            x_train, y_train, build.distribution.global_batch_size, seed=0,
+            x_train,
+            y_train,
+            build.distribution.global_batch_size,
+            seed=0,
             preprocess=kmk.rescale(),
         )
         callbacks += [
@@ -200,11 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100, help="training steps per epoch")
     parser.add_argument("--epochs", type=int, default=1, help="epochs per fit()")
     parser.add_argument(
-        "--paths", default="tutorial,kit",
+        "--paths",
+        default="tutorial,kit",
         help=f"comma-separated paths, alternated run by run; of {', '.join(PATHS)}",
     )
-    parser.add_argument("--threshold", type=float, default=1.0,
-                        help="a stall longer than this many seconds counts as one")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=1.0,
+        help="a stall longer than this many seconds counts as one",
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per run")
     parser.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.runs):
-            order = paths[i % len(paths):] + paths[: i % len(paths)]
+            order = paths[i % len(paths) :] + paths[: i % len(paths)]
             line = []
             for path in order:
                 result = run_child(path, args, tmp, i)

@@ -1,24 +1,33 @@
 """Image folders and TFRecords: the kit's loaders against Keras' own, and resume latency.
 
-Three measurements on a folder of JPEG files of mixed sizes (written by this script into a
-temporary directory, or `--dir`; 10 class subdirectories; sides 160 to 480 pixels,
-smooth gradients with noise, quality 90):
+Three measurements, on folders of JPEG files this script writes into a temporary
+directory (or `--dir`; 10 class subdirectories; smooth gradients with noise, quality 90):
 
-1. **Images per second** of one epoch read, decoded, resized and batched (batch 64,
-   `shuffle=True`, seed 1), at 224x224 and at 64x64: `kmk.image_dataset_from_directory`
-   against `keras.utils.image_dataset_from_directory` on the same files, alternating in
-   one process (`--rounds` rounds, each round both loaders at both sizes, the order of the
-   two loaders swapped every round). The datasets are built before the clock starts; an
-   epoch is timed from its iterator's creation to its last batch. Target: at least 1.0x.
+1. **Images per second**, steady state (`--epochs` epochs per round of the same dataset
+   objects, `--rounds` rounds, the pipelines' order rotating and reversing from round to
+   round), batch 64, seed 1, at 224x224 from `--files` JPEGs of 224 to 288 pixels a side
+   (about 256) and at 48x48 from `--files` JPEGs of 40 to 90 pixels, of three pipelines:
+   `kmk.image_dataset_from_directory`, `keras.utils.image_dataset_from_directory`, and the
+   tf.data pipeline an expert writes (`list_files`, a parallel `map` of read, decode and
+   resize with `num_parallel_calls=AUTOTUNE` and `deterministic=False`, `batch`,
+   `prefetch(AUTOTUNE)`). And the same three with random crop and flip: the kit's
+   `augment=kmk.random_crop_flip(crop_fraction=s / S)`; Keras' loader at S x S (S = s /
+   0.875, rounded: 256 for 224, 55 for 48) with `.map(lambda x, y: (augmentation(x), y))`
+   of `keras.layers.RandomCrop(s, s)` and `RandomFlip("horizontal")`; the expert's
+   `tf.io.decode_and_crop_jpeg` of a random window of the same fraction, flipped. Each
+   epoch is timed from its iterator's creation to its last batch; the build time of each
+   dataset (after one throwaway build per loader, which pays the imports) is printed too.
+   Targets: kit >= 1.3x Keras at 224, >= 1.0x Keras at 48, >= 1.0x the expert at both, and
+   the same three with augmentation.
 2. **Peak RSS** of a fresh process while it builds the dataset and reads one epoch at
    64x64 (`/proc/self/statm` sampled every 5 ms; `ru_maxrss` is TensorFlow's start-up
    peak, the same for every run), for `--rss-files` folders (default 5,000 and 20,000
-   files): each loader one process per folder. Target: the kit's peak with 20,000 files
-   under 100 MB above its peak with 5,000.
+   files of 160 to 480 pixels a side): each loader one process per folder. Target: the
+   kit's peak with 20,000 files under 100 MB above its peak with 5,000.
 3. **Time to the first batch** of an epoch resumed at 0%, 50% and 90% (the cursor set to
    that batch, then `next(iter(ds))`, median of `--repeats`, the three fractions
-   interleaved in a rotating order), for the image folder (224x224)
-   and for the same JPEGs in 16 TFRecord shards (`kmk.tfrecord_dataset`,
+   interleaved in a rotating order), for a folder of `--files` JPEGs of 160 to 480 pixels
+   (224x224) and for the same JPEGs in 16 TFRecord shards (`kmk.tfrecord_dataset`,
    `shuffle_window=256`); for contrast, Keras' loader positioned with `ds.skip(k)` (which
    decodes every batch it skips; and Keras' shuffle buffer would not give the same order
    anyway). Target (folder): 90% within 1.5x of 0%.
@@ -26,6 +35,7 @@ smooth gradients with noise, quality 90):
 Usage:
 
     python benchmarks/image_folder.py                     # 5,000 files; RSS 5,000 and 20,000
+    python benchmarks/image_folder.py --skip rss,resume --rounds 6   # throughput only
     python benchmarks/image_folder.py --files 2000 --rss-files 2000,8000 --rounds 2
 
 This is a script, not a test: it prints its figures and asserts nothing.
@@ -54,7 +64,9 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 BATCH, CLASSES = 64, 10
 
 
-def write_folder(root: Path, count: int, seed: int = 0) -> Path:
+def write_folder(
+    root: Path, count: int, seed: int = 0, sides: tuple[int, int] = (160, 480)
+) -> Path:
     """`count` JPEG files of mixed sizes in CLASSES subdirectories (kept if already there)."""
     import numpy as np
     import tensorflow as tf
@@ -66,7 +78,7 @@ def write_folder(root: Path, count: int, seed: int = 0) -> Path:
     for c in range(CLASSES):
         (root / f"class_{c:02d}").mkdir(parents=True, exist_ok=True)
     for i in range(count):
-        height, width = (int(v) for v in rng.integers(160, 481, 2))
+        height, width = (int(v) for v in rng.integers(sides[0], sides[1] + 1, 2))
         ys = np.linspace(0, 1, height, dtype=np.float32)[:, None, None]
         xs = np.linspace(0, 1, width, dtype=np.float32)[None, :, None]
         tint = rng.uniform(0, 1, (1, 1, 3)).astype(np.float32)
@@ -90,6 +102,77 @@ def make(which: str, folder: Path, size: int):
     return kmk.image_dataset_from_directory(str(folder), **common)
 
 
+CROP = 0.875  # Keras' loader at S = round(s / CROP) a side, then RandomCrop(s, s)
+
+
+def loaded_side(size: int) -> int:
+    """The side Keras' loader reads at before its `RandomCrop(size, size)`."""
+    return round(size / CROP)
+
+
+def expert(folder: Path, size: int, augment: bool):
+    """The tf.data pipeline an expert writes: nondeterministic parallel map, autotuned."""
+    import tensorflow as tf
+
+    names = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    table = tf.lookup.StaticHashTable(
+        tf.lookup.KeyValueTensorInitializer(tf.constant(names), tf.range(len(names))), -1
+    )
+    fraction = size / loaded_side(size)
+
+    def load(path):
+        data = tf.io.read_file(path)
+        if augment:  # decode only a random window of `fraction` of each side, flip it
+            shape = tf.cast(tf.io.extract_jpeg_shape(data), tf.float32)
+            height = tf.cast(tf.round(fraction * shape[0]), tf.int32)
+            width = tf.cast(tf.round(fraction * shape[1]), tf.int32)
+            top = tf.random.uniform([], 0, tf.cast(shape[0], tf.int32) - height + 1, tf.int32)
+            left = tf.random.uniform([], 0, tf.cast(shape[1], tf.int32) - width + 1, tf.int32)
+            window = tf.stack([top, left, height, width])
+            image = tf.io.decode_and_crop_jpeg(data, window, channels=3)
+            image = tf.image.random_flip_left_right(image)
+        else:
+            image = tf.io.decode_jpeg(data, channels=3)
+        label = table.lookup(tf.strings.split(path, os.sep)[-2])
+        return tf.image.resize(image, (size, size)), label
+
+    files = tf.data.Dataset.list_files(str(folder / "*" / "*.jpg"), shuffle=True, seed=1)
+    files = files.map(load, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
+    return files.batch(BATCH).prefetch(tf.data.AUTOTUNE)
+
+
+def pipeline(which: str, folder: Path, size: int):
+    """One of the six pipelines: `keras`, `expert`, `kit`, each with ` aug` or not."""
+    import keras
+    import tensorflow as tf
+
+    import keras_mirror_kit as kmk
+
+    loader, _, augment = which.partition(" ")
+    if loader == "expert":
+        return expert(folder, size, bool(augment))
+    if not augment:
+        return make(loader, folder, size)
+    common = dict(batch_size=BATCH, seed=1, verbose=False)
+    side = loaded_side(size)
+    if loader == "kit":
+        crop = kmk.random_crop_flip(crop_fraction=size / side, flip="horizontal")
+        return kmk.image_dataset_from_directory(
+            str(folder), image_size=(size, size), augment=crop, **common
+        )
+    augmentation = keras.Sequential(
+        [
+            keras.layers.RandomCrop(size, size, seed=1),
+            keras.layers.RandomFlip("horizontal", seed=2),
+        ]
+    )
+    dataset = keras.utils.image_dataset_from_directory(
+        str(folder), image_size=(side, side), **common
+    )
+    dataset = dataset.map(lambda x, y: (augmentation(x), y), num_parallel_calls=tf.data.AUTOTUNE)
+    return dataset.prefetch(tf.data.AUTOTUNE)
+
+
 def one_epoch(dataset) -> tuple[int, float]:
     """Images read in one epoch, and its seconds (iterator creation to last batch)."""
     start = time.perf_counter()
@@ -99,30 +182,59 @@ def one_epoch(dataset) -> tuple[int, float]:
     return images, time.perf_counter() - start
 
 
-def throughput(folder: Path, rounds: int) -> None:
-    say("## images/s, one epoch, batch 64 (kit vs Keras, alternating in one process)")
-    datasets = {(w, s): make(w, folder, s) for w in ("keras", "kit") for s in (224, 64)}
-    for dataset in datasets.values():  # warm up: trace, first file reads
-        for _ in dataset.take(2):
+PIPELINES = ("kit", "keras", "expert", "kit aug", "keras aug", "expert aug")
+TARGETS = {  # (size, pipeline, against): the least kit / against
+    (224, "kit", "keras"): 1.3,
+    (48, "kit", "keras"): 1.0,
+    (224, "kit", "expert"): 1.0,
+    (48, "kit", "expert"): 1.0,
+}
+TARGETS.update({(s, f"{a} aug", f"{b} aug"): v for (s, a, b), v in list(TARGETS.items())})
+
+
+def throughput(folders: dict[int, Path], rounds: int, epochs: int) -> None:
+    say(f"## images/s, batch 64, steady state: {epochs} epochs per round, {rounds} rounds")
+    keys = [(size, which) for size in folders for which in PIPELINES]
+    for size, which in keys[: len(PIPELINES)]:  # throwaway builds: imports, first traces
+        pipeline(which, folders[size], size)
+    datasets, built = {}, {}
+    for size, which in keys:
+        start = time.perf_counter()
+        datasets[(size, which)] = pipeline(which, folders[size], size)
+        built[(size, which)] = time.perf_counter() - start
+        for _ in datasets[(size, which)].take(2):  # warm up: trace, first file reads
             pass
-    rates: dict[tuple[str, int], list[float]] = {key: [] for key in datasets}
+    rates: dict[tuple[int, str], list[float]] = {key: [] for key in keys}
     for r in range(rounds):
-        order = ("keras", "kit") if r % 2 == 0 else ("kit", "keras")
-        for size in (224, 64):
-            for which in order:
-                images, seconds = one_epoch(datasets[(which, size)])
-                rates[(which, size)].append(images / seconds)
-                say(f"round {r} {size}x{size} {which:>5}: {images} images, {seconds:.1f} s, "
-                    f"{images / seconds:.0f} images/s")  # fmt: skip
+        order = keys[r % len(keys) :] + keys[: r % len(keys)]
+        for size, which in order[::-1] if r % 2 else order:
+            for _ in range(epochs):
+                images, seconds = one_epoch(datasets[(size, which)])
+                rates[(size, which)].append(images / seconds)
+        done = [f"{s} {w} {statistics.median(rates[(s, w)][-epochs:]):.0f}" for s, w in keys]
+        say(f"round {r} (images/s): " + ", ".join(done))
     say()
-    say("| size | Keras images/s, median (min-max) | kit images/s, median (min-max) | kit/Keras |")
-    say("|---|---:|---:|---:|")
-    for size in (224, 64):
-        keras_rates, kit_rates = rates[("keras", size)], rates[("kit", size)]
-        ratio = statistics.median(kit_rates) / statistics.median(keras_rates)
-        say(f"| {size}x{size} | {statistics.median(keras_rates):.0f} ({min(keras_rates):.0f}-"
-            f"{max(keras_rates):.0f}) | {statistics.median(kit_rates):.0f} ({min(kit_rates):.0f}-"
-            f"{max(kit_rates):.0f}) | {ratio:.2f}x |")  # fmt: skip
+    say("| size | pipeline | images/s, median (min-max) | build | kit / it |")
+    say("|---|---|---:|---:|---:|")
+    for size, which in keys:
+        values = rates[(size, which)]
+        mine = "kit aug" if which.endswith("aug") else "kit"
+        ratio = statistics.median(rates[(size, mine)]) / statistics.median(values)
+        say(f"| {size}x{size} | {which} | {statistics.median(values):.0f} ({min(values):.0f}-"
+            f"{max(values):.0f}) | {built[(size, which)]:.2f} s | {ratio:.2f}x |")  # fmt: skip
+    say()
+    for (size, mine, other), target in TARGETS.items():
+        # Per round: the ratio of the two pipelines' medians in that round (same load).
+        per_round = [
+            statistics.median(rates[(size, mine)][r * epochs : (r + 1) * epochs])
+            / statistics.median(rates[(size, other)][r * epochs : (r + 1) * epochs])
+            for r in range(rounds)
+        ]
+        ratio = statistics.median(rates[(size, mine)]) / statistics.median(rates[(size, other)])
+        verdict = "PASS" if ratio >= target else "NOT MET"
+        say(f"{size}x{size} {mine} / {other}: {ratio:.2f}x (per round: median "
+            f"{statistics.median(per_round):.2f}, {min(per_round):.2f}-{max(per_round):.2f}), "
+            f"target >= {target}: {verdict}")  # fmt: skip
     say()
 
 
@@ -305,6 +417,7 @@ def main() -> int:
     parser.add_argument("--files", type=int, default=5000)
     parser.add_argument("--rss-files", default="5000,20000")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2, help="epochs per round (throughput)")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--dir", help="where to write (and keep) the folders")
     parser.add_argument("--skip", default="", help="comma list of: throughput,rss,resume")
@@ -318,16 +431,21 @@ def main() -> int:
 
     base = Path(args.dir or tempfile.mkdtemp(prefix="kmk-images-"))
     skip = set(filter(None, args.skip.split(",")))
-    say(f"command: python benchmarks/image_folder.py --files {args.files} --rss-files "
-        f"{args.rss_files} --rounds {args.rounds}; TensorFlow {tf.__version__}; "
-        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; files in {base}")  # fmt: skip
-    folder = write_folder(base / f"folder-{args.files}", args.files)
+    say(f"command: python benchmarks/image_folder.py {' '.join(sys.argv[1:])}; TensorFlow "
+        f"{tf.__version__}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; "
+        f"files in {base}")  # fmt: skip
     if "throughput" not in skip:
-        throughput(folder, args.rounds)
+        folders = {
+            224: write_folder(base / f"large-{args.files}", args.files, 1, (224, 288)),
+            48: write_folder(base / f"small-{args.files}", args.files, 2, (40, 90)),
+        }
+        throughput(folders, args.rounds, args.epochs)
     if "resume" not in skip:
+        folder = write_folder(base / f"folder-{args.files}", args.files)
         resume_latency(folder, base, args.repeats, args.plot)
     if "rss" not in skip:
         rss(base, [int(v) for v in args.rss_files.split(",")])
+    say(f"load at the end: {os.getloadavg()[0]:.2f}")
     return 0
 
 

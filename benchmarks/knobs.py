@@ -29,8 +29,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60, help="measured steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--per-replica-batch-size", type=int, default=64)
-    parser.add_argument("--gpu", action="store_true",
-                        help="split the first GPU into --replicas logical GPUs")
+    parser.add_argument(
+        "--gpu", action="store_true", help="split the first GPU into --replicas logical GPUs"
+    )
     parser.add_argument("--only", choices=["bn", "precision", "spe"], default=None)
     return parser.parse_args()
 
@@ -40,8 +41,11 @@ def main() -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras_mirror_kit as kmk
 
-    kmk.simulate_replicas(args.replicas, device_type="GPU" if args.gpu else "CPU",
-                          memory_limit_mb=8192 if args.gpu else None)
+    kmk.simulate_replicas(
+        args.replicas,
+        device_type="GPU" if args.gpu else "CPU",
+        memory_limit_mb=8192 if args.gpu else None,
+    )
     import keras
     import tensorflow as tf
 
@@ -52,15 +56,23 @@ def main() -> int:
         layers = [keras.Input((32, 32, 3)), keras.layers.Conv2D(32, (3, 3), activation="relu")]
         if batch_norm:
             layers.append(keras.layers.BatchNormalization())
-        layers += [keras.layers.MaxPooling2D((2, 2)), keras.layers.Flatten(),
-                   keras.layers.Dense(64, activation="relu"),
-                   keras.layers.Dense(10, activation="softmax")]
+        layers += [
+            keras.layers.MaxPooling2D((2, 2)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
         return keras.Sequential(layers)
 
     def mlp() -> keras.Model:
-        return keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Flatten(),
-                                 keras.layers.Dense(16, activation="relu"),
-                                 keras.layers.Dense(10, activation="softmax")])
+        return keras.Sequential(
+            [
+                keras.Input((32, 32, 3)),
+                keras.layers.Flatten(),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(10, activation="softmax"),
+            ]
+        )
 
     def make(group: str, label: str, make_model, **knobs):
         @kmk.distributed(per_replica_batch_size=per_replica, **knobs)
@@ -69,25 +81,47 @@ def main() -> int:
             model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
             return model
 
-        return {"group": group, "label": label, "model": build(), "dist": build.distribution,
-                "rates": []}
+        return {
+            "group": group,
+            "label": label,
+            "model": build(),
+            "dist": build.distribution,
+            "rates": [],
+        }
 
     conditions = []
     if args.only in (None, "bn"):
-        conditions += [make("sync_batch_norm (CNN+BN)", "off", lambda: cnn(True)),
-                       make("sync_batch_norm (CNN+BN)", "on", lambda: cnn(True),
-                            sync_batch_norm=True)]
+        conditions += [
+            make("sync_batch_norm (CNN+BN)", "off", lambda: cnn(True)),
+            make("sync_batch_norm (CNN+BN)", "on", lambda: cnn(True), sync_batch_norm=True),
+        ]
     if args.only in (None, "precision"):
-        conditions += [make("mixed_precision (CNN)", "float32", lambda: cnn(False)),
-                       make("mixed_precision (CNN)", "mixed_bfloat16", lambda: cnn(False),
-                            mixed_precision="mixed_bfloat16"),
-                       make("mixed_precision (CNN)", "mixed_float16", lambda: cnn(False),
-                            mixed_precision="mixed_float16")]
+        conditions += [
+            make("mixed_precision (CNN)", "float32", lambda: cnn(False)),
+            make(
+                "mixed_precision (CNN)",
+                "mixed_bfloat16",
+                lambda: cnn(False),
+                mixed_precision="mixed_bfloat16",
+            ),
+            make(
+                "mixed_precision (CNN)",
+                "mixed_float16",
+                lambda: cnn(False),
+                mixed_precision="mixed_float16",
+            ),
+        ]
     if args.only in (None, "spe"):
         for model_name, factory in (("CNN", lambda: cnn(False)), ("tiny MLP", mlp)):
             for steps in (1, 4, "auto"):
-                conditions.append(make(f"steps_per_execution ({model_name})",
-                                       str(steps), factory, steps_per_execution=steps))
+                conditions.append(
+                    make(
+                        f"steps_per_execution ({model_name})",
+                        str(steps),
+                        factory,
+                        steps_per_execution=steps,
+                    )
+                )
 
     global_batch = conditions[0]["dist"].global_batch_size
     total_steps = args.steps + warmup + 8  # + up to one execution of slack
@@ -106,10 +140,12 @@ def main() -> int:
         sys.stdout.flush()
 
     devices = conditions[0]["dist"].devices
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"load {os.getloadavg()[0]:.2f}; TensorFlow {tf.__version__}, Keras "
-          f"{keras.__version__}; {len(devices)} replicas on {', '.join(devices)}; global "
-          f"batch {global_batch}; {args.steps} steps x {args.rounds} rounds")
+    print(
+        f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"load {os.getloadavg()[0]:.2f}; TensorFlow {tf.__version__}, Keras "
+        f"{keras.__version__}; {len(devices)} replicas on {', '.join(devices)}; global "
+        f"batch {global_batch}; {args.steps} steps x {args.rounds} rounds"
+    )
     print(f"{'knob':<32} {'setting':<15} {'median samples/s':>17} {'min-max':>17} {'ratio':>6}")
     baseline: dict[str, float] = {}
     for condition in conditions:
@@ -117,8 +153,10 @@ def main() -> int:
         median = statistics.median(rates)
         baseline.setdefault(condition["group"], median)
         ratio = median / baseline[condition["group"]]
-        print(f"{condition['group']:<32} {condition['label']:<15} {median:>17.1f} "
-              f"{min(rates):>8.1f}-{max(rates):<8.1f} {ratio:>6.2f}")
+        print(
+            f"{condition['group']:<32} {condition['label']:<15} {median:>17.1f} "
+            f"{min(rates):>8.1f}-{max(rates):<8.1f} {ratio:>6.2f}"
+        )
     print(f"finished {time.strftime('%Y-%m-%d %H:%M:%S')}")
     return 0
 

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
+            order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
             line = []
             for mode in order:
                 result = run_child(mode, args, tmp, r)

@@ -76,11 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     parser.add_argument(
-        "--steps", type=int, default=NUM_TRAIN // (PER_REPLICA_BATCH * REPLICAS),
+        "--steps",
+        type=int,
+        default=NUM_TRAIN // (PER_REPLICA_BATCH * REPLICAS),
         help="steps per epoch (the first steps x 128 samples; 390 = all 50,000)",
     )
-    parser.add_argument("--warmup", type=int, default=10,
-                        help="training batches per fit left out of the timing")
+    parser.add_argument(
+        "--warmup", type=int, default=10, help="training batches per fit left out of the timing"
+    )
     args = parser.parse_args(argv)
     global_batch = PER_REPLICA_BATCH * REPLICAS
     if args.rounds <= 0 or args.warmup < 1 or args.steps <= args.warmup:
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, list[float]] = {name: [] for name in names}
     started = time.perf_counter()
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             with tempfile.TemporaryDirectory() as workdir:
                 rates[name].append(run(name, workdir))

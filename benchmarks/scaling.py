@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="measured steps per run")
     parser.add_argument("--per-replica-batch-size", type=int, default=64)
     parser.add_argument(
-        "--gpu-split", action="store_true",
+        "--gpu-split",
+        action="store_true",
         help="1 GPU versus the same GPU split into 2 logical GPUs (needs a GPU)",
     )
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, list[float]] = {label: [] for label in labels}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            order = labels[r % len(labels):] + labels[: r % len(labels)]
+            order = labels[r % len(labels) :] + labels[: r % len(labels)]
             for label in order:
                 replicas, batch = conditions[label]
                 out = Path(tmp) / f"round{r}-{replicas}-{batch}.json"
@@ -179,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         "vs 1st / vs 2nd: median over rounds of the run's samples/sec over the 1st / 2nd "
         "run's in the same round."
     )
-    for ref, what in ((weak, "the same per-replica batch (weak scaling)"),
-                      (same_global, "the same global batch (the cost of replication)")):
+    for ref, what in (
+        (weak, "the same per-replica batch (weak scaling)"),
+        (same_global, "the same global batch (the cost of replication)"),
+    ):
         per_round = [v / w for v, w in zip(rates[two], rates[ref], strict=True)]
         ratio = statistics.median(per_round)
         say(
@@ -190,8 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     say(
         "target: none (informational): "
-        + ("one GPU either way." if args.gpu_split else
-           "both replicas share the same CPU cores, so 2 replicas cannot add compute.")
+        + (
+            "one GPU either way."
+            if args.gpu_split
+            else "both replicas share the same CPU cores, so 2 replicas cannot add compute."
+        )
     )
     return 0
 

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         CheckpointWriteError,
         CorruptCheckpointWarning,
     )
+    from keras_mirror_kit.data.augment import random_crop_flip
     from keras_mirror_kit.data.cursor import DatasetCursor
     from keras_mirror_kit.data.folders import (
         image_dataset_from_directory,
@@ -102,6 +103,7 @@ __all__ = [
     "nccl_available",
     "per_replica_batch_size",
     "preprocess_placement",
+    "random_crop_flip",
     "rescale",
     "restore",
     "scale_learning_rate",

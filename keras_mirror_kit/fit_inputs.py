@@ -43,14 +43,16 @@ from keras_mirror_kit.tensorflow_objects import (
 
 __all__ = [
     "BatchPlan",
+    "arrays_as_dataset",
     "check_input",
     "check_training_split",
     "dataset_batch_size",
     "dataset_cursor",
+    "KitPipeline",
     "is_array_data",
+    "kit_pipeline",
     "plan_batches",
     "replica_parts",
-    "steps_after_kit_dataset",
     "training_last_batch",
 ]
 
@@ -75,6 +77,17 @@ _KEEPS_BATCH = (
     "_ShuffleDataset",
     "_FilterDataset",
     "_AssertCardinalityDataset",
+)
+_MAPS = ("_MapDataset", "_ParallelMapDataset")
+_CACHES = ("CacheDataset", "_CacheDataset")
+# Steps after a kit dataset that keep its batches, their order and their positions: an
+# iteration that starts at the kit dataset's batch k yields the pipeline's batch k first.
+_RESUMES_EXACTLY = (
+    *_MAPS,
+    "_PrefetchDataset",
+    "_OptionsDataset",
+    "_MaxIntraOpParallelismDataset",
+    "_PrivateThreadPoolDataset",
 )
 
 
@@ -185,18 +198,79 @@ def _find(dataset: Any, through: tuple[str, ...]) -> tuple[DatasetInfo | None, A
     return None, node
 
 
-def steps_after_kit_dataset(dataset: Any) -> tuple[Any, list[str]]:
-    """The cursor of the kit dataset a pipeline is built on (through any steps) and the
-    steps after it, as `Dataset` method names (`["map", "prefetch"]`); `(None, [])` if none."""
+@dataclass(frozen=True)
+class KitPipeline:
+    """A pipeline built on a kit dataset, as `kit_pipeline` read it (nothing is run).
+
+    Attributes:
+        cursor: The `DatasetCursor` of the kit dataset it is built on.
+        steps: The steps after the kit dataset, as `Dataset` method names, first to last
+            (`("map", "prefetch")`; empty for the kit dataset itself).
+        exact: Whether an iteration that starts at the kit dataset's batch k yields the
+            pipeline's batch k first, every epoch (maps in order, prefetches, options).
+        breaks: Why a step makes a mid-epoch resume inexact although the batches are the
+            kit dataset's (`.cache()`, a map with `deterministic=False`), naming the step;
+            None otherwise.
+        maps: `(function, graph)` of each map step: the user's function, its traced graph.
+    """
+
+    cursor: Any
+    steps: tuple[str, ...]
+    exact: bool
+    breaks: str | None
+    maps: tuple[tuple[Any, Any], ...]
+
+
+def _method_name(node: Any) -> str:
+    """`_ParallelMapDataset` -> `"parallel_map"`: the `Dataset` method that made `node`."""
+    name = type(node).__name__.strip("_").removesuffix("Dataset") or "dataset"
+    return name[0].lower() + "".join(f"_{c.lower()}" if c.isupper() else c for c in name[1:])
+
+
+def _unordered(node: Any, top: Any) -> bool:
+    """Whether a map node hands on its results as they are ready (deterministic=False)."""
+    flag = getattr(node, "_deterministic", "default")
+    if flag == "default":
+        options = top.options() if hasattr(top, "options") else None
+        return options is not None and options.deterministic is False
+    return flag == "false"
+
+
+def kit_pipeline(dataset: Any) -> KitPipeline | None:
+    """The `KitPipeline` of `dataset` if it is a kit dataset or built on one, else None.
+
+    Walks the single inputs down from `dataset` (`train_ds.map(f).prefetch(2)` finds
+    `train_ds`); a pipeline that joins several inputs (`zip`, `concatenate`) is not walked.
+    """
     steps: list[str] = []
+    maps: list[tuple[Any, Any]] = []
+    exact, breaks = True, None
     for node in _walk(dataset):
         info = dataset_info(node)
         if info is not None:
-            return info.cursor, steps
-        name = type(node).__name__.strip("_").removesuffix("Dataset") or "dataset"
-        steps.insert(0, name[0].lower() + "".join(f"_{c.lower()}" if c.isupper() else c
-                                                  for c in name[1:]))  # fmt: skip
-    return None, []
+            exact = exact and not breaks
+            return KitPipeline(info.cursor, tuple(steps), exact, breaks, tuple(maps))
+        kind, step = type(node).__name__, _method_name(node)
+        steps.insert(0, step)
+        exact = exact and kind in _RESUMES_EXACTLY
+        if kind in _MAPS:
+            wrapper = node._map_func  # noqa: SLF001 (the user's function, traced)
+            maps.insert(0, (getattr(wrapper, "_func", None), wrapper.function.graph))
+            if _unordered(node, dataset):
+                breaks = (
+                    f"{step}(..., deterministic=False) hands on each batch when it is ready, "
+                    "not in the kit dataset's order (map with deterministic=True: the order "
+                    "is kept and the calls still run in parallel)"
+                )
+        elif kind in _CACHES:
+            breaks = (
+                "cache() replays in every later epoch the batches of the first epoch it "
+                "read, so the kit's order and random draws of each epoch are lost, and a "
+                "resumed run caches from the batch it resumes at (drop cache(): a kit "
+                "dataset holds its arrays in memory already, and a file source reads only "
+                "the batches of each epoch)"
+            )
+    return None
 
 
 def dataset_batch_size(dataset: Any) -> int | None:
@@ -381,3 +455,58 @@ def check_input(x: Any, dist: Distribution, method: str, argument: str = "x") ->
             "kmk.make_dataset(x, y, dist.global_batch_size), or build the model with "
             f"distributed(global_batch_size={size}). Received: batch_size={size}"
         )
+
+
+def _split_at_end(arrays: Any, split: float) -> tuple[Any, Any]:
+    """Keras' `validation_split` cut: the first part trains, the last `split` validates."""
+    at = _array_epoch_samples(arrays, split)
+    return (
+        keras.tree.map_structure(lambda a: a[:at], arrays),
+        keras.tree.map_structure(lambda a: a[at:], arrays),
+    )
+
+
+def arrays_as_dataset(given: dict[str, Any], dist: Distribution) -> bool:
+    """Gives `fit` a kit dataset of its arrays' batches instead, so it can resume mid-epoch.
+
+    `given` is a `fit` call's arguments. Keras' own `validation_split` cut comes first (the
+    last fraction of the samples, unshuffled, validates); the training part becomes
+    `make_dataset(x, y, batch_size, shuffle=shuffle, drop_remainder=False)`: the same
+    samples every epoch, the last partial batch kept, shuffled by a permutation keyed on
+    (seed, epoch) that a resumed run computes again (Keras draws a new one in each `fit`);
+    the seed comes from NumPy's global generator, as Keras' shuffle does.
+    Left as given: `sample_weight`, `shuffle="batch"`, `steps_per_epoch`, several workers
+    (the workers would need one seed), data that is not arrays. Returns whether it did.
+    """
+    x, y = given.get("x"), given.get("y")
+    shuffle = given.get("shuffle", True)
+    if (
+        not is_array_data(x)
+        or (y is not None and not is_array_data(y))
+        or given.get("sample_weight") is not None
+        or given.get("steps_per_epoch")
+        or shuffle not in (True, False)
+        or dist.num_workers > 1
+    ):
+        return False
+    from keras_mirror_kit.data.pipeline import make_dataset  # imports TensorFlow
+
+    split = given.get("validation_split") or 0.0
+    if split and given.get("validation_data") is None:
+        (x, y), validation = _split_at_end((x, y), split)
+        given["validation_data"] = validation if y is not None else validation[:1]
+    batch_size = int(given.get("batch_size") or dist.global_batch_size)
+    # Drawn as Keras' own shuffle draws (keras.utils.set_random_seed makes it repeatable);
+    # not the user's choice, so a resumed run takes the checkpoint's seed instead.
+    seed = int(np.random.randint(0, 2**31 - 1))
+    dataset = make_dataset(
+        x, y, batch_size, shuffle=bool(shuffle), seed=seed, drop_remainder=False
+    )
+    dataset_info(dataset).cursor.seed_given = False
+    given["x"] = dataset
+    if given.get("validation_data") is not None and not given.get("validation_batch_size"):
+        given["validation_batch_size"] = batch_size  # Keras' default: fit's batch_size
+    for name in ("y", "batch_size", "validation_split"):
+        given.pop(name, None)
+    given["shuffle"] = False  # the kit dataset orders itself
+    return True

@@ -21,8 +21,8 @@
   replicas (`backends.tensorflow_preprocess`) and refusing XLA over several replicas;
   on JAX, under the model's `DataParallel` distribution.
 
-Callbacks take part through `FitHooks`, the one declaration of what such a `fit` calls
-besides Keras' own hooks.
+Callbacks take part through `keras_mirror_kit.fit_hooks.FitHooks`, dispatched here after
+the data checks (and before the backend may give Keras the data's replica twin).
 """
 
 from __future__ import annotations
@@ -31,16 +31,17 @@ import functools
 import inspect
 import logging
 import types
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import keras
 
 from keras_mirror_kit import backends
 from keras_mirror_kit.data.info import dataset_info
 from keras_mirror_kit.distribution import Distribution
+from keras_mirror_kit.fit_hooks import dispatch, listed, order_callbacks
 from keras_mirror_kit.fit_inputs import (
     BatchPlan,
+    arrays_as_dataset,
     check_even_batches,
     check_input,
     check_training_split,
@@ -55,83 +56,9 @@ from keras_mirror_kit.workarounds.keras_epoch_rounding import check_step_argumen
 if TYPE_CHECKING:
     from keras_mirror_kit.data.cursor import DatasetCursor
 
-__all__ = [
-    "EpochOrder",
-    "FitHooks",
-    "batch_plan",
-    "install",
-    "notify_fit_exception",
-    "order_callbacks",
-]
+__all__ = ["EpochOrder", "batch_plan", "install"]
 
 logger = logging.getLogger("keras_mirror_kit")
-
-
-@runtime_checkable
-class FitHooks(Protocol):
-    """What the `fit()` of a model the kit built calls on a callback, besides Keras' hooks.
-
-    A callback needs none of these; each one it defines is used:
-
-    * `produces_logs = True` (a class attribute): the callback adds figures to `logs`
-      (`ThroughputMonitor`), so `fit` runs it before the others: Keras calls callbacks in
-      list order, and a logger (CSVLogger, TensorBoard, W&B) listed first would write its
-      row before the figures exist.
-    * `check_fit_data(x)`: called with `fit`'s `x` before any step; raise to refuse it
-      (`SyncedCheckpoint(dataset=)` refuses another dataset than its own).
-    * `on_fit_exception(exception)`: called when `fit` raises (Ctrl-C too), before the
-      exception propagates. Keras calls no `on_train_end` then, so this is where a callback
-      closes what it opened (`WandbLogger` finishes its run as failed). An error raised
-      here is logged and never replaces `exception`.
-    """
-
-    produces_logs: ClassVar[bool]
-
-    def check_fit_data(self, x: Any) -> None: ...
-
-    def on_fit_exception(self, exception: BaseException) -> None: ...
-
-
-def _listed(callbacks: Any) -> list[Any]:
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks = callbacks.callbacks
-    if not isinstance(callbacks, Sequence) or isinstance(callbacks, (str, bytes)):
-        return []
-    return list(callbacks)
-
-
-def _hook(callback: Any, name: str) -> Any:
-    hook = getattr(callback, name, None)
-    return hook if callable(hook) else None
-
-
-def order_callbacks(callbacks: Any) -> Any:
-    """`callbacks` with those that produce logs first (a `CallbackList` is left as it is)."""
-    if not isinstance(callbacks, Sequence) or isinstance(callbacks, (str, bytes)):
-        return callbacks
-    listed = list(callbacks)
-    producers = [c for c in listed if getattr(c, "produces_logs", False) is True]
-    if not producers:
-        return callbacks
-    return producers + [c for c in listed if getattr(c, "produces_logs", False) is not True]
-
-
-def notify_fit_exception(callbacks: Any, exception: BaseException) -> None:
-    """Calls `on_fit_exception(exception)` of every callback that has it, in list order."""
-    for callback in _listed(callbacks):
-        hook = _hook(callback, "on_fit_exception")
-        if hook is not None:
-            try:
-                hook(exception)
-            except Exception:
-                logger.exception("keras-mirror-kit: on_fit_exception of %r failed", callback)
-
-
-def _check_fit_data(callbacks: Any, x: Any) -> None:
-    for callback in _listed(callbacks):
-        hook = _hook(callback, "check_fit_data")
-        if hook is not None:
-            hook(x)
 
 
 class EpochOrder(keras.callbacks.Callback):
@@ -155,11 +82,16 @@ def _orders_itself(x: Any) -> bool:
     return is_dataset(x) or isinstance(x, types.GeneratorType)
 
 
+def _resumes_mid_epoch(callbacks: Any) -> bool:
+    """Whether a callback resumes a kit dataset mid-epoch (`FitHooks.resumes_mid_epoch`)."""
+    return any(getattr(c, "resumes_mid_epoch", False) is True for c in listed(callbacks))
+
+
 def _with_epoch_order(callbacks: Any, x: Any) -> Any:
     cursor = dataset_cursor(x)
     if cursor is None or isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
-    return [EpochOrder(cursor), *_listed(callbacks)]
+    return [EpochOrder(cursor), *listed(callbacks)]
 
 
 # The argument of each method that is evaluated (every sample counts, none is trained).
@@ -222,11 +154,11 @@ def install(model: Any, dist: Distribution) -> None:
             if _method != "fit":
                 with backend.call(model, dist.engine, _method, given):  # after the checks
                     return _original(*bound.args, **bound.kwargs)
+            if not backend.SHARDS_EACH_BATCH and _resumes_mid_epoch(given.get("callbacks")):
+                arrays_as_dataset(given, dist)  # arrays: the same batches, resumable
             if "shuffle" not in given and _orders_itself(given.get("x")):
                 given["shuffle"] = False  # Keras would warn that it ignores shuffle=True
-            callbacks = given.get("callbacks")
-            _check_fit_data(callbacks, given.get("x"))
-            given["callbacks"] = _with_epoch_order(callbacks, given.get("x"))
+            callbacks = _with_epoch_order(given.get("callbacks"), given.get("x"))
             plan = plan_batches(
                 given.get("x"),
                 dist,
@@ -234,13 +166,20 @@ def install(model: Any, dist: Distribution) -> None:
                 validation_split=given.get("validation_split") or 0.0,
                 steps_per_epoch=given.get("steps_per_epoch"),
             )
+
+            def run(
+                callbacks: Any,
+                _original: Any = _original,
+                _method: str = _method,
+                bound: inspect.BoundArguments = bound,
+            ) -> Any:
+                bound.arguments["callbacks"] = callbacks
+                with backend.call(model, dist.engine, _method, bound.arguments):
+                    return _original(*bound.args, **bound.kwargs)
+
             previous, record.batch_plan = record.batch_plan, plan
             try:
-                with backend.call(model, dist.engine, _method, given):  # after the checks
-                    return _original(*bound.args, **bound.kwargs)
-            except BaseException as exception:  # Ctrl-C too: Keras' fit has no finally
-                notify_fit_exception(callbacks, exception)
-                raise
+                return dispatch(model, callbacks, given.get("x"), run)
             finally:
                 record.batch_plan = previous
 

@@ -136,7 +136,9 @@ def pytest_runtest_logreport(report) -> None:
     if report.when == "teardown":
         counts = dict(report.user_properties)
         _children_by_test[report.nodeid] = (
-            counts.get("children", 0), counts.get("forked", 0), "slow" in report.keywords
+            counts.get("children", 0),
+            counts.get("forked", 0),
+            "slow" in report.keywords,
         )
 
 

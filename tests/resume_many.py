@@ -36,8 +36,9 @@ def main() -> int:
         leftovers = [n for n in os.listdir(directory) if n.endswith(".tmp")]
         np.savez(os.path.join(directory, "..", f"final-{i}.npz"), *model.get_weights())
         results[directory] = {
-            "restored": None if restored is None else [restored.meta["epoch"],
-                                                       restored.meta["step"]],
+            "restored": None
+            if restored is None
+            else [restored.meta["epoch"], restored.meta["step"]],
             "iterations": int(model.optimizer.iterations.numpy()),
             "batches": counter.batches,
             "leftovers": leftovers,

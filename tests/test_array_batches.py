@@ -72,8 +72,7 @@ def test_a_smaller_last_array_batch_is_counted_exactly(model):
 def test_validation_split_is_taken_out_before_counting(model):
     monitor = kmk.ThroughputMonitor(warmup_steps=0)
     # Keras trains on floor(330 * 0.8) = 264 samples: 4 batches of 64 and one of 8.
-    model.fit(X[:330], Y[:330], validation_split=0.2, epochs=1, verbose=0,
-              callbacks=[monitor])
+    model.fit(X[:330], Y[:330], validation_split=0.2, epochs=1, verbose=0, callbacks=[monitor])
     assert int(model.optimizer.iterations.numpy()) == 5
     assert samples_per_step(monitor) == pytest.approx(264 / 5)
 
@@ -103,7 +102,7 @@ def test_array_likes_train_at_the_global_batch_size_too(model):
 def test_a_generator_batch_is_assumed_with_a_warning(model, caplog):
     def batches():
         for start in range(0, 640, 64):
-            yield X[start:start + 64], Y[start:start + 64]
+            yield X[start : start + 64], Y[start : start + 64]
 
     monitor = kmk.ThroughputMonitor(warmup_steps=0)
     with caplog.at_level("WARNING", logger="keras_mirror_kit"):

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit.fit_wrapper import order_callbacks
+from keras_mirror_kit.fit_hooks import order_callbacks
 from tests import models
 
 X = np.random.default_rng(0).normal(size=(256, 6)).astype("float32")
@@ -52,8 +52,9 @@ def test_loggers_listed_before_the_monitor_record_its_figures(tmp_path, form):
     # The TensorFlow "Distributed training with Keras" tutorial's callbacks, then ours.
     callbacks = [
         tf.keras.callbacks.TensorBoard(log_dir=str(tmp_path / "logs")),
-        tf.keras.callbacks.ModelCheckpoint(str(tmp_path / "ckpt-{epoch}.weights.h5"),
-                                           save_weights_only=True),
+        tf.keras.callbacks.ModelCheckpoint(
+            str(tmp_path / "ckpt-{epoch}.weights.h5"), save_weights_only=True
+        ),
         tf.keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr),
         tf.keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
         kmk.ThroughputMonitor(warmup_steps=1),

@@ -433,3 +433,112 @@ def test_file_source_misuse_gives_the_documented_errors(images, tmp_path):
         assert row.startswith(f"{error.__name__}: "), (name, row)
         shown = str(raised.value).replace(str(tmp_path), "<dir>").replace(str(images), "<dir>")
         assert row[len(error.__name__) + 2 :][:60] == shown[:60], (name, row, shown)
+
+
+# --------------------------------------------------------------------------------------
+# kmk.random_crop_flip: cropped while the folder's files are decoded, keyed, resumable.
+# --------------------------------------------------------------------------------------
+
+
+def _by_label(dataset):
+    return [(x.numpy(), y.numpy()) for x, y in dataset]
+
+
+def test_random_crop_flip_crops_while_decoding_the_training_subset_only(images):
+    common = dict(image_size=SIZE, batch_size=4, seed=7, verbose=False, validation_split=0.5)
+    crop = kmk.random_crop_flip(crop_fraction=(0.5, 0.9), flip="horizontal_and_vertical")
+    train, val = kmk.image_dataset_from_directory(images, subset="both", augment=crop, **common)
+    _, keras_val = keras.utils.image_dataset_from_directory(images, subset="both", **common)
+    assert train.element_spec == val.element_spec  # the training images stay image_size
+    for (x1, y1), (x2, y2) in zip(_by_label(val), _by_label(keras_val), strict=True):
+        np.testing.assert_array_equal(x1, x2)  # validation: Keras' own images
+        np.testing.assert_array_equal(y1, y2)
+    # The same seed crops alike (the header sizes or each file's own header: alike too);
+    # each epoch anew; a resumed iteration as the uninterrupted one.
+    again = kmk.image_dataset_from_directory(
+        images, subset="training", augment=crop, max_image_pixels=None, **common
+    )
+    epoch0, epoch1 = _by_label(train), _by_label(train)
+    for (x1, y1), (x2, y2) in zip(epoch0, _by_label(again), strict=True):
+        np.testing.assert_array_equal(x1, x2)
+        np.testing.assert_array_equal(y1, y2)
+    assert not all(np.array_equal(a[0], b[0]) for a, b in zip(epoch0, epoch1))
+    kmk.cursor_of(again).set(epoch=1, skip_batches=1)
+    np.testing.assert_array_equal(next(iter(again))[0].numpy(), epoch1[1][0])
+
+
+@pytest.mark.parametrize("formats", ["jpeg and png", "jpeg only", "headers unread"])
+def test_random_crop_flip_of_the_whole_image_is_keras_image_or_its_mirror(
+    images, tmp_path, formats
+):
+    """crop_fraction=1: the window is the file, flipped or not (each decode path)."""
+    import shutil
+
+    if formats == "jpeg only":
+        for path in images.rglob("*.jpg"):
+            (tmp_path / path.parent.name).mkdir(exist_ok=True)
+            shutil.copy(path, tmp_path / path.parent.name / path.name)
+        images = tmp_path
+    extra = {"max_image_pixels": None} if formats == "headers unread" else {}
+    common = dict(image_size=(16, 14), batch_size=6, seed=3, verbose=False, shuffle=False)
+    keras_ds = keras.utils.image_dataset_from_directory(images, **common)
+    kit_ds = kmk.image_dataset_from_directory(
+        images, augment=kmk.random_crop_flip(1.0), drop_remainder=False, **common, **extra
+    )
+    flipped = 0
+    for (x1, _), (x2, _) in zip(_by_label(kit_ds), _by_label(keras_ds), strict=True):
+        for ours, theirs in zip(x1, x2, strict=True):
+            if np.allclose(ours, theirs, atol=1e-3):
+                continue
+            np.testing.assert_allclose(ours, theirs[:, ::-1], atol=1e-3)
+            flipped += 1
+    assert 0 < flipped < len(kit_ds.file_paths)
+
+
+def test_random_crop_flip_is_a_seeded_function_of_a_batch_anywhere_else():
+    x = np.arange(2 * 5 * 6 * 1, dtype="uint8").reshape(2, 5, 6, 1).repeat(8, axis=0)
+    whole = kmk.random_crop_flip(1.0, flip="horizontal")
+    seed = tf.constant([3, 4], tf.int64)
+    out = whole(x, seed=seed).numpy()
+    assert out.dtype == np.float32 and out.shape == x.shape
+    mirrored = [not np.array_equal(o, i) for o, i in zip(out, x)]
+    for o, i, m in zip(out, x, mirrored):
+        np.testing.assert_allclose(o, i[:, ::-1] if m else i, atol=1e-4)
+    assert 0 < sum(mirrored) < len(x)
+    np.testing.assert_array_equal(whole(x, seed=seed).numpy(), out)  # keyed, not stateful
+    half = kmk.random_crop_flip(0.5, flip=None)(x[0], seed=seed).numpy()
+    assert half.shape == x[0].shape
+    ds = kmk.make_dataset(x, None, 4, seed=0, preprocess=kmk.random_crop_flip(0.6))
+    assert next(iter(ds)).shape == (4, 5, 6, 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"crop_fraction": 0}, "crop_fraction=0"),
+        ({"crop_fraction": 1.5}, "crop_fraction=1.5"),
+        ({"crop_fraction": (0.9, 0.5)}, r"crop_fraction=\(0.9, 0.5\)"),
+        ({"crop_fraction": "big"}, "crop_fraction='big'"),
+        ({"flip": "sideways"}, "flip='sideways'"),
+    ],
+)
+def test_random_crop_flip_bad_arguments(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        kmk.random_crop_flip(**kwargs)
+
+
+def test_image_headers_are_checked_in_threads_in_order_when_reading_is_slow(
+    images, monkeypatch, tmp_path
+):
+    from keras_mirror_kit.data import image_headers
+
+    paths = sorted(str(p) for p in images.rglob("*") if p.suffix in (".jpg", ".png"))
+    serial = image_headers.check_image_files(paths, 10**6)
+    monkeypatch.setattr(image_headers, "_SLOW_READ_S", 0.0)  # every read counts as slow
+    monkeypatch.setattr(image_headers, "_FILES_PER_TASK", 2)
+    assert image_headers.check_image_files(paths, 10**6) == serial
+    bad = [tmp_path / "a.jpg", tmp_path / "b.jpg"]
+    bad[0].write_bytes(b"not an image")
+    bad[1].write_bytes(b"\x89PNG nor this")
+    with pytest.raises(image_headers.ImageHeaderError, match="a.jpg"):
+        image_headers.check_image_files([*paths, *map(str, bad)], 10**6)

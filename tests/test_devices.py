@@ -97,8 +97,9 @@ class FakeDeviceTable:
 
         self.tf = tf
         self.physical = {
-            "GPU": [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU")
-                    for i in range(gpus)],
+            "GPU": [
+                tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU") for i in range(gpus)
+            ],
             "CPU": [tf.config.PhysicalDevice("/physical_device:CPU:0", "CPU")],
         }
         self.visible = {kind: list(devices) for kind, devices in self.physical.items()}
@@ -123,13 +124,19 @@ class FakeDeviceTable:
         names = []
         for device in self.visible.get(kind, []):
             names += [None] * len(self.logical.get(device.name) or [None])
-        return [self.tf.config.LogicalDevice(f"/device:{kind}:{i}", kind)
-                for i in range(len(names))]
+        return [
+            self.tf.config.LogicalDevice(f"/device:{kind}:{i}", kind) for i in range(len(names))
+        ]
 
     def install(self, monkeypatch):
-        for name in ("list_physical_devices", "get_visible_devices", "set_visible_devices",
-                     "get_logical_device_configuration", "set_logical_device_configuration",
-                     "list_logical_devices"):
+        for name in (
+            "list_physical_devices",
+            "get_visible_devices",
+            "set_visible_devices",
+            "get_logical_device_configuration",
+            "set_logical_device_configuration",
+            "list_logical_devices",
+        ):
             monkeypatch.setattr(self.tf.config, name, getattr(self, name))
 
 
@@ -158,7 +165,10 @@ def test_the_test_process_and_its_children_see_no_gpu():
 
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == "-1"
     assert tf.config.get_visible_devices("GPU") == []
-    child = last_json(run_python(
-        "import json, tensorflow as tf\n"
-        "print('RESULT ' + json.dumps(len(tf.config.list_logical_devices('GPU'))))"))
+    child = last_json(
+        run_python(
+            "import json, tensorflow as tf\n"
+            "print('RESULT ' + json.dumps(len(tf.config.list_logical_devices('GPU'))))"
+        )
+    )
     assert child == 0

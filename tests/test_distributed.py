@@ -119,8 +119,12 @@ def test_info_log_line_says_what_was_chosen(caplog):
     assert len(lines) == 1
     line = lines[0]
     expected = (
-        "MirroredStrategy", "CPU:0", "CPU:1", "2 replicas",
-        "all-reduce=reduction_to_one_device", "global batch 128 = 64 per replica x 2",
+        "MirroredStrategy",
+        "CPU:0",
+        "CPU:1",
+        "2 replicas",
+        "all-reduce=reduction_to_one_device",
+        "global batch 128 = 64 per replica x 2",
     )
     for fragment in expected:
         assert fragment in line
@@ -139,8 +143,7 @@ def test_uncompiled_model_compiles_later_inside_the_scope():
     model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
     opt_vars = model.optimizer.variables
     assert opt_vars and all(
-        len(build.distribution.strategy.experimental_local_results(v.value)) == 2
-        for v in opt_vars
+        len(build.distribution.strategy.experimental_local_results(v.value)) == 2 for v in opt_vars
     )
 
 

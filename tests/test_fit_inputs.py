@@ -68,10 +68,12 @@ def test_a_dataset_distributed_by_hand_is_refused_in_fit_evaluate_and_predict(ki
     model, dist = kit_model
     distributed = dist.strategy.experimental_distribute_dataset(plain(16))
     start = int(model.optimizer.iterations.numpy())
-    for call in (lambda: model.fit(distributed, epochs=1, verbose=0),
-                 lambda: model.fit(plain(16), validation_data=distributed, verbose=0),
-                 lambda: model.evaluate(distributed, verbose=0),
-                 lambda: model.predict(distributed, verbose=0)):
+    for call in (
+        lambda: model.fit(distributed, epochs=1, verbose=0),
+        lambda: model.fit(plain(16), validation_data=distributed, verbose=0),
+        lambda: model.evaluate(distributed, verbose=0),
+        lambda: model.predict(distributed, verbose=0),
+    ):
         with pytest.raises(ValueError, match="already distributed over the replicas"):
             call()
     assert int(model.optimizer.iterations.numpy()) == start

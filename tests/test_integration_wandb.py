@@ -17,6 +17,7 @@ import os
 import re
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -424,13 +425,23 @@ def test_a_logger_listed_before_the_monitor_still_logs_its_figures(tmp_path):
     monitor first, so the W&B rows carry its figures (issue: callback order)."""
     model, _ = kit_model()
     logger = WandbLogger(dir=tmp_path, mode="offline", settings=quiet_settings())
-    history = model.fit(*data(), batch_size=8, epochs=2, verbose=0,
-                        callbacks=[logger, kmk.ThroughputMonitor(warmup_steps=1)])
+    history = model.fit(
+        *data(),
+        batch_size=8,
+        epochs=2,
+        verbose=0,
+        callbacks=[logger, kmk.ThroughputMonitor(warmup_steps=1)],
+    )
     rows = user_rows(read_run(tmp_path).history)
     assert [row["epoch"] for row in rows] == [1, 2]
     for epoch, row in enumerate(rows):
-        for key in ("samples_per_sec", "samples_per_sec_per_replica", "step_time_ms",
-                    "flops_per_sec", "flops_per_sec_per_replica"):
+        for key in (
+            "samples_per_sec",
+            "samples_per_sec_per_replica",
+            "step_time_ms",
+            "flops_per_sec",
+            "flops_per_sec_per_replica",
+        ):
             assert row[key] == pytest.approx(history.history[key][epoch], rel=1e-5)
 
 
@@ -671,14 +682,31 @@ def test_fit_that_raises_finishes_the_run_it_started_as_failed(tmp_path, caplog)
     )
 
 
-def test_the_hook_called_by_hand_for_a_model_not_built_by_the_kit(tmp_path):
+def test_fit_of_a_model_not_built_by_the_kit_finishes_the_run_as_failed(tmp_path):
     logger = WandbLogger(dir=tmp_path, mode="offline", settings=quiet_settings())
-    try:
+    with pytest.raises(TrainingFailed) as raised:
         fit(plain_model(), [logger, RaisesAtBatch(epoch=0, batch=2)], epochs=2)
-    except TrainingFailed as err:
-        assert wandb.run is logger.run  # plain Keras: nothing has finished it yet
-        logger.on_fit_exception(err)
-        logger.on_fit_exception(err)  # a second call does nothing
+    assert wandb.run is None  # keras.Model.fit called the hook (fit_hooks.install)
+    logger.on_fit_exception(raised.value)  # a second call, by hand, does nothing
+    assert read_run(tmp_path).exit_code == 1
+
+
+def drive_by_hand(logger: WandbLogger, model: keras.Model) -> None:
+    """A hand-written loop that drives the logger and stops without on_train_end."""
+    logger.set_model(model)
+    logger.set_params({"epochs": 1, "steps": 2, "verbose": 0})
+    logger.on_train_begin()
+    logger.on_epoch_begin(0)
+    logger.on_train_batch_end(0, {"loss": 1.0})
+
+
+def test_the_hook_called_by_hand_in_a_loop_of_ones_own(tmp_path):
+    logger = WandbLogger(dir=tmp_path, mode="offline", settings=quiet_settings())
+    drive_by_hand(logger, plain_model())
+    assert wandb.run is logger.run  # nothing has finished it yet
+    err = TrainingFailed("the loop raised")
+    logger.on_fit_exception(err)
+    logger.on_fit_exception(err)  # a second call does nothing
     assert wandb.run is None
     assert read_run(tmp_path).exit_code == 1
 
@@ -714,11 +742,12 @@ class FitsInside(keras.callbacks.Callback):
 
 
 @pytest.mark.slow
-def test_new_logger_does_not_join_a_run_a_raising_fit_left_open(tmp_path):
+def test_new_logger_does_not_join_a_run_a_thread_left_open(tmp_path):
     failed = WandbLogger(dir=tmp_path / "a", mode="offline", settings=quiet_settings())
-    with pytest.raises(TrainingFailed):
-        fit(plain_model(), [failed, RaisesAtBatch(epoch=0, batch=1)], epochs=1)
-    assert wandb.run is failed.run  # plain Keras: still open
+    thread = threading.Thread(target=drive_by_hand, args=(failed, plain_model()))
+    thread.start()
+    thread.join()
+    assert wandb.run is failed.run  # the thread's loop ended without on_train_end
 
     # A new logger in a new fit() finishes it instead of joining it; a logger of a fit()
     # nested in that one joins the enclosing fit()'s run, which is still going on.
@@ -735,21 +764,18 @@ def test_new_logger_does_not_join_a_run_a_raising_fit_left_open(tmp_path):
     assert [row["epoch"] for row in user_rows(logged.history)] == [1, 1, 2]  # inner, outer
 
 
-def exits_after_a_failed_fit_child(root: str) -> None:
-    """Run by the test below in a fresh interpreter: fit() raises, is caught, Python exits."""
+def exits_after_a_loop_left_a_run_open_child(root: str) -> None:
+    """Run by the test below in a fresh interpreter: a hand-driven loop stops, Python exits."""
     logger = WandbLogger(dir=root, mode="offline", settings=quiet_settings())
-    try:
-        fit(plain_model(), [logger, RaisesAtBatch(epoch=0, batch=1)], epochs=1)
-    except TrainingFailed:
-        pass
+    drive_by_hand(logger, plain_model())
     print("RESULT " + json.dumps({"open_at_exit": wandb.run is logger.run}))
 
 
 @pytest.mark.slow
-def test_run_left_open_by_a_raising_fit_is_marked_failed_at_exit(tmp_path):
+def test_run_left_open_by_a_loop_is_marked_failed_at_exit(tmp_path):
     proc = run_python(
-        "from tests.test_integration_wandb import exits_after_a_failed_fit_child\n"
-        f"exits_after_a_failed_fit_child({str(tmp_path)!r})\n",
+        "from tests.test_integration_wandb import exits_after_a_loop_left_a_run_open_child\n"
+        f"exits_after_a_loop_left_a_run_open_child({str(tmp_path)!r})\n",
         timeout=300,
     )
     assert last_json(proc) == {"open_at_exit": True}

@@ -14,8 +14,10 @@ def private_keras_is_gone():
 
 def test_single_worker_strategies_never_look_at_private_keras(monkeypatch):
     monkeypatch.setattr(keras_multi_worker_fit, "_trainer_module", private_keras_is_gone)
-    for strategy in (tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
-                     tf.distribute.get_strategy()):
+    for strategy in (
+        tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
+        tf.distribute.get_strategy(),
+    ):
         assert keras_multi_worker_fit.apply(strategy) is False
 
 

@@ -20,15 +20,18 @@ def bn_factory(devices=None, sync=False):
     @kmk.distributed(global_batch_size=32, devices=devices, sync_batch_norm=sync)
     def build():
         keras.utils.set_random_seed(1)
-        inner = keras.Sequential([keras.layers.Dense(8), keras.layers.BatchNormalization()],
-                                 name="nested")
+        inner = keras.Sequential(
+            [keras.layers.Dense(8), keras.layers.BatchNormalization()], name="nested"
+        )
         inputs = keras.Input((6,))
         hidden = keras.layers.BatchNormalization(name="bn_in")(inputs)
         hidden = inner(hidden)
         outputs = keras.layers.Dense(3)(keras.layers.ReLU()(hidden))
         model = keras.Model(inputs, outputs)
-        model.compile(optimizer=keras.optimizers.SGD(0.05),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         return model
 
     return build
@@ -70,8 +73,9 @@ def test_sync_batch_norm_reaches_nested_and_functional_layers_and_matches_one_re
     single, _ = train_bn(["/cpu:0"], sync=False, initial=start)
     for a, b in zip(batch_norms(single), layers):
         np.testing.assert_allclose(a.moving_mean.numpy(), b.moving_mean.numpy(), atol=1e-5)
-        np.testing.assert_allclose(a.moving_variance.numpy(), b.moving_variance.numpy(),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            a.moving_variance.numpy(), b.moving_variance.numpy(), rtol=1e-5, atol=1e-5
+        )
     assert max_diff(single.get_weights(), synced.get_weights()) < 1e-5
 
 
@@ -91,8 +95,9 @@ def test_a_layer_named_like_batch_norm_is_left_alone_with_a_warning(caplog):
 
     @kmk.distributed(per_replica_batch_size=4, sync_batch_norm=True)
     def build():
-        return keras.Sequential([
-            keras.Input((3,)), MyBatchNorm(name="custom_bn"), keras.layers.BatchNormalization()])
+        return keras.Sequential(
+            [keras.Input((3,)), MyBatchNorm(name="custom_bn"), keras.layers.BatchNormalization()]
+        )
 
     with caplog.at_level("WARNING", logger="keras_mirror_kit"):
         model = build()
@@ -107,8 +112,11 @@ def test_mixed_precision_for_the_factory_only(policy):
     @kmk.distributed(per_replica_batch_size=32, mixed_precision=policy)
     def build():
         model = kmk.models.tutorial_cnn()
-        model.compile(optimizer=keras.optimizers.Adam(2e-3),
-                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        model.compile(
+            optimizer=keras.optimizers.Adam(2e-3),
+            loss="sparse_categorical_crossentropy",
+            metrics=["accuracy"],
+        )
         return model
 
     before = keras.config.dtype_policy().name
@@ -130,7 +138,8 @@ def test_mixed_precision_for_the_factory_only(policy):
     model.fit(train, epochs=3, verbose=0)
     assert model(kmk.rescale()(xt[:4])).dtype == "float32"
     _, accuracy = model.evaluate(
-        kmk.make_dataset(xt, yt, 64, shuffle=False, preprocess=kmk.rescale()), verbose=0)
+        kmk.make_dataset(xt, yt, 64, shuffle=False, preprocess=kmk.rescale()), verbose=0
+    )
     assert accuracy > 0.3  # converges (chance is 0.1)
 
 
@@ -145,8 +154,9 @@ def test_bad_mixed_precision_and_steps_arguments():
 
 def test_the_with_form_applies_sync_batch_norm_and_steps_per_execution():
     with kmk.distributed(8, sync_batch_norm=True, steps_per_execution=4):
-        model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(),
-                                  keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [keras.Input((3,)), keras.layers.BatchNormalization(), keras.layers.Dense(1)]
+        )
         model.compile("sgd", "mse")
     assert [la.synchronized for la in batch_norms(model)] == [True]
     assert model.steps_per_execution == 4
@@ -156,12 +166,16 @@ def spe_factory(steps, compile_steps=1, optimizer="adam"):
     @kmk.distributed(global_batch_size=16, steps_per_execution=steps)
     def build():
         keras.utils.set_random_seed(3)
-        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
-                                  keras.layers.Dense(3)])
-        model.compile(optimizer=keras.optimizers.Adam(0.01) if optimizer == "adam"
-                      else keras.optimizers.SGD(0.1),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      steps_per_execution=compile_steps)
+        model = keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)]
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01)
+            if optimizer == "adam"
+            else keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=compile_steps,
+        )
         return model
 
     return build
@@ -226,8 +240,15 @@ def test_keras_still_rounds_evaluation_steps_up():
     model.evaluate(data.repeat(), steps=10, verbose=0, callbacks=[counter])
     assert counter.test_batches == 12  # not 10
     counter = EvaluatedSteps()
-    model.fit(data.repeat(), steps_per_epoch=4, epochs=1, validation_data=data.repeat(),
-              validation_steps=10, verbose=0, callbacks=[counter])
+    model.fit(
+        data.repeat(),
+        steps_per_epoch=4,
+        epochs=1,
+        validation_data=data.repeat(),
+        validation_steps=10,
+        verbose=0,
+        callbacks=[counter],
+    )
     assert counter.test_batches == 12  # not 10
 
 
@@ -240,8 +261,15 @@ def test_evaluation_steps_that_keras_would_round_up_are_rejected_before_any_step
         model.evaluate(data, steps=10, verbose=0, callbacks=[counter, steps])
     assert "steps=8 or 12" in str(info.value)
     with pytest.raises(ValueError, match="validation_steps=6 is not a multiple"):
-        model.fit(data, steps_per_epoch=8, epochs=1, validation_data=data,
-                  validation_steps=6, verbose=0, callbacks=[counter, steps])
+        model.fit(
+            data,
+            steps_per_epoch=8,
+            epochs=1,
+            validation_data=data,
+            validation_steps=6,
+            verbose=0,
+            callbacks=[counter, steps],
+        )
     assert counter.batches == steps.test_batches == 0
     assert int(model.optimizer.iterations.numpy()) == 0
     model.evaluate(data, steps=8, verbose=0, callbacks=[steps])
@@ -259,8 +287,12 @@ def test_checkpoint_resume_is_exact_with_steps_per_execution(tmp_path, steps, re
 
     reference = spe_factory(steps)()
     ds = data()
-    reference.fit(ds, epochs=3, verbose=0,
-                  callbacks=[SyncedCheckpoint(tmp_path / "ref", dataset=ds, save_freq=steps)])
+    reference.fit(
+        ds,
+        epochs=3,
+        verbose=0,
+        callbacks=[SyncedCheckpoint(tmp_path / "ref", dataset=ds, save_freq=steps)],
+    )
     assert int(reference.optimizer.iterations.numpy()) == 48
 
     class Crash(keras.callbacks.Callback):
@@ -270,8 +302,12 @@ def test_checkpoint_resume_is_exact_with_steps_per_execution(tmp_path, steps, re
 
     crashed, ds = spe_factory(steps)(), data()
     with pytest.raises(KeyboardInterrupt):
-        crashed.fit(ds, epochs=3, verbose=0, callbacks=[
-            SyncedCheckpoint(tmp_path / "run", dataset=ds, save_freq=steps), Crash()])
+        crashed.fit(
+            ds,
+            epochs=3,
+            verbose=0,
+            callbacks=[SyncedCheckpoint(tmp_path / "run", dataset=ds, save_freq=steps), Crash()],
+        )
     resumed, ds = spe_factory(steps)(), data()
     resumed.set_weights([w * 0 for w in resumed.get_weights()])
     checkpoint = SyncedCheckpoint(tmp_path / "run", dataset=ds, save_freq=steps)

@@ -140,15 +140,12 @@ def out(tmp_path) -> Path:
     return path
 
 
-
 def _recorded(out: Path) -> list[int]:
     pids: list[int] = []
     for path in sorted(out.glob("pids-*.json")):
         info = json.loads(path.read_text())
         pids += [info["pid"]] + ([info["helper_pid"]] if "helper_pid" in info else [])
     return pids
-
-
 
 
 def _finished(out: Path) -> list[str]:
@@ -346,8 +343,19 @@ def test_a_peer_failing_after_an_early_exit_names_the_worker_that_left(capsys, j
 @pytest.mark.slow
 def test_the_startup_timeout_names_a_worker_that_exited_before_joining(capsys, job, out):
     code = launch.main(
-        ["-n", "2", "--startup-timeout", "5", "--finish-window", "0", "--grace", "1",
-         str(job), str(out), "early"]
+        [
+            "-n",
+            "2",
+            "--startup-timeout",
+            "5",
+            "--finish-window",
+            "0",
+            "--grace",
+            "1",
+            str(job),
+            str(out),
+            "early",
+        ]
     )  # fmt: skip  (5 s: worker 1 has exited by then even on a loaded machine)
     err = capsys.readouterr().err
     assert code == launch.EXIT_TIMEOUT, err

@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("schedules",),
     ("throughput",),
     ("fit_inputs",),
-    ("model_record",),
+    ("model_record", "fit_hooks"),
     ("fit_wrapper",),
     ("model_setup",),
     ("with_block",),
@@ -188,9 +188,10 @@ def test_no_two_packages_import_each_other_directly_or_around_a_circle():
 
 def test_the_layer_check_sees_imports_inside_functions():
     # backends.tensorflow imports its StopAgreement inside a function: that edge is counted.
-    assert "keras_mirror_kit.backends.tensorflow_agreement" in GRAPH[
-        "keras_mirror_kit.backends.tensorflow"
-    ]
+    assert (
+        "keras_mirror_kit.backends.tensorflow_agreement"
+        in GRAPH["keras_mirror_kit.backends.tensorflow"]
+    )
     assert "multi_worker" in UNIT_GRAPH["data"]
     # `import keras_mirror_kit as kmk` inside a function of a lower layer is an upward import.
     assert "keras_mirror_kit" in UNIT_GRAPH["cli"]
@@ -242,3 +243,34 @@ def test_no_kmk_attribute_is_set_on_anything():
                 if node.value.startswith("_kmk_"):
                     found.append(f"{name}: {node.value!r}")
     assert not found, found
+
+
+_FRAME_NAMES = {"_getframe", "_current_frames", "currentframe", "f_back", "f_locals"}
+
+
+def _frame_walks(source: str) -> list[str]:
+    """The attributes of `source` that read the call stack (sys._getframe, f_back, ...)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            is_stack = node.attr == "stack" and getattr(node.value, "id", None) == "inspect"
+            if node.attr in _FRAME_NAMES or is_stack:
+                found.append(node.attr)
+    return found
+
+
+def test_nothing_walks_the_call_stack():
+    # The callback list and the end of a fit() come from fit_hooks.dispatch, not from
+    # looking for Keras' CallbackList or fit() in the frames above a callback.
+    found = {
+        name: walks
+        for name, path in MODULES.items()
+        if (walks := _frame_walks(path.read_text(encoding="utf-8")))
+    }
+    assert not found, found
+
+
+def test_the_stack_check_sees_a_frame_walk():
+    source = "import sys, inspect\nf = sys._getframe(1)\nwhile f: f = f.f_back\ninspect.stack()\n"
+    assert _frame_walks(source) == ["_getframe", "f_back", "stack"]
+    assert _frame_walks("import traceback\nx.stack.pop()\n") == []

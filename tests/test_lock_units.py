@@ -51,9 +51,7 @@ def test_a_free_directory_is_locked_released_and_taken_again(tmp_path):
     lock.release()  # idempotent
 
 
-def test_a_lock_of_a_process_that_no_longer_runs_is_taken_over_with_a_warning(
-    tmp_path, dead_pid
-):
+def test_a_lock_of_a_process_that_no_longer_runs_is_taken_over_with_a_warning(tmp_path, dead_pid):
     _write(tmp_path, pid=dead_pid)
     lock = DirectoryLock(tmp_path)
     with pytest.warns(StaleLockWarning, match=f"process {dead_pid} on .*no longer runs"):

@@ -255,7 +255,9 @@ def test_a_pipeline_built_on_the_given_dataset_is_refused_naming_its_steps(tmp_p
     model, counter = build("sgd"), CountBatches()
     # .map() and .prefetch() keep the kit dataset's batches (its cursor is found through
     # them); a rebatching does not, and its position would not be the one saved.
-    with pytest.raises(ValueError, match=r"unbatch -> batch after it.*preprocess=") as refused:
+    with pytest.raises(
+        ValueError, match=r"unbatch -> batch after it.*Map and prefetch after the kit dataset"
+    ) as refused:
         model.fit(
             given.unbatch().batch(16),
             epochs=2,
@@ -272,9 +274,30 @@ def test_fit_of_a_model_the_kit_did_not_build_on_another_dataset_is_refused(tmp_
     keras.utils.set_random_seed(3)
     plain = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
     plain.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    with pytest.raises(ValueError, match="the dataset given was never read"):
+    counter = CountBatches()
+    with pytest.raises(ValueError, match="given another kmk.make_dataset object"):
         plain.fit(
             trained,
+            epochs=2,
+            verbose=0,
+            callbacks=[SyncedCheckpoint(tmp_path, save_freq=1, dataset=given), counter],
+        )
+    assert counter.batches == 0  # keras.Model.fit checked it (fit_hooks), before any step
+    assert npz_files(tmp_path) == []
+
+
+def test_a_generator_over_another_dataset_is_refused_at_the_first_batch_end(tmp_path):
+    given, trained = dataset(), dataset()
+    model = build("sgd")
+
+    def batches():
+        for _ in range(2):
+            yield from trained
+
+    with pytest.raises(ValueError, match="the dataset given was never read"):
+        model.fit(
+            batches(),
+            steps_per_epoch=6,
             epochs=2,
             verbose=0,
             callbacks=[SyncedCheckpoint(tmp_path, save_freq=1, dataset=given)],
@@ -526,7 +549,7 @@ def test_a_hand_driven_loop_says_the_callback_runs_unhooked(tmp_path, caplog):
     checkpoint.set_model(model)
     caplog.set_level(logging.DEBUG, logger="keras_mirror_kit")
     checkpoint.on_train_begin()  # no CallbackList drives it
-    assert any("runs unhooked" in r.getMessage() for r in caplog.records)
+    assert any("(a hand-driven loop) and unhooked" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.slow

@@ -52,15 +52,15 @@ def test_keras_model_reloads_with_schedule_and_resumes_from_iterations(tmp_path)
     path = tmp_path / "m.keras"
     model.save(path)
     reloaded = keras.saving.load_model(path)
-    lr_schedule = reloaded.optimizer.learning_rate_schedule if hasattr(
-        reloaded.optimizer, "learning_rate_schedule"
-    ) else reloaded.optimizer._learning_rate  # noqa: SLF001
+    lr_schedule = (
+        reloaded.optimizer.learning_rate_schedule
+        if hasattr(reloaded.optimizer, "learning_rate_schedule")
+        else reloaded.optimizer._learning_rate
+    )  # noqa: SLF001
     assert isinstance(lr_schedule, kmk.WarmupSchedule)
     assert int(reloaded.optimizer.iterations.numpy()) == 3
     # The effective learning rate continues from step 3, not from 0.
-    assert float(reloaded.optimizer.learning_rate) == pytest.approx(
-        float(schedule(3)), rel=1e-6
-    )
+    assert float(reloaded.optimizer.learning_rate) == pytest.approx(float(schedule(3)), rel=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,11 @@ def test_a_model_compiled_in_the_block_gets_the_decorators_guarantees():
     config = kmk.distributed(per_replica_batch_size=8, mixed_precision="mixed_bfloat16")
     with config as dist:
         model = models.sequential()
-        model.compile(optimizer="sgd", steps_per_execution=4,
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer="sgd",
+            steps_per_execution=4,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     assert is_prepared(model) and kmk.distribution_of(model) is dist
     assert tf_data_iterator_stall.is_applied(model)
     assert model.layers[-1].compute_dtype == "float32"  # outputs kept in float32
@@ -53,8 +56,12 @@ def test_fit_in_the_block_of_a_model_built_elsewhere_is_refused_by_the_kits_call
     counter = CountBatches()
     with kmk.distributed(per_replica_batch_size=8):
         with pytest.raises(ValueError, match="not built under its strategy"):
-            model.fit(data, epochs=1, verbose=0,
-                      callbacks=[kmk.ThroughputMonitor(global_batch_size=16), counter])
+            model.fit(
+                data,
+                epochs=1,
+                verbose=0,
+                callbacks=[kmk.ThroughputMonitor(global_batch_size=16), counter],
+            )
     assert counter.batches == 0
 
 
@@ -62,8 +69,10 @@ def test_fit_in_the_block_of_a_model_built_elsewhere_is_refused_by_the_kits_call
 def test_a_model_compiled_after_the_block_gets_a_warning_from_the_callbacks(caplog):
     with kmk.distributed(per_replica_batch_size=8) as dist:
         model = models.sequential()
-    model.compile(optimizer="sgd",  # outside the block: Keras' plain compile
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer="sgd",  # outside the block: Keras' plain compile
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     assert not is_prepared(model)
     data = kmk.make_dataset(X, Y, dist.global_batch_size, seed=0)
     with caplog.at_level(logging.WARNING, logger="keras_mirror_kit"):
@@ -113,8 +122,8 @@ def test_two_threads_in_one_distributed_object_each_close_their_own_block():
     def second():
         try:
             with config:
-                order[0].set()          # 2nd thread is inside
-                order[1].wait(30)       # ... until the main thread has left its block
+                order[0].set()  # 2nd thread is inside
+                order[1].wait(30)  # ... until the main thread has left its block
                 results["inside"] = tf.distribute.has_strategy()
             results["after"] = tf.distribute.has_strategy()
         except BaseException as err:  # noqa: BLE001  (reported below)

@@ -354,9 +354,7 @@ def trains_exactly(model: Any) -> bool:
 
 
 @contextlib.contextmanager
-def call(
-    model: Any, engine: Engine, method: str, arguments: dict[str, Any]
-) -> Iterator[None]:
+def call(model: Any, engine: Engine, method: str, arguments: dict[str, Any]) -> Iterator[None]:
     """Keras' JAX trainer shards the data only while the distribution is active."""
     del model, method, arguments
     with engine.scope():

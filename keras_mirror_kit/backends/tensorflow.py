@@ -237,9 +237,7 @@ def install(model: Any) -> None:
 
 
 @contextlib.contextmanager
-def call(
-    model: Any, engine: Engine, method: str, arguments: dict[str, Any]
-) -> Iterator[None]:
+def call(model: Any, engine: Engine, method: str, arguments: dict[str, Any]) -> Iterator[None]:
     """Around one `fit`/`evaluate`/`predict` of a kit-built model, after its checks."""
     keras_jit_replicas.check(model, len(engine.devices), f"{method}()")
     with tensorflow_preprocess.applied(model, method, arguments):

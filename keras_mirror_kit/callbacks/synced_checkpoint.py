@@ -11,20 +11,20 @@ import logging
 import os
 import signal
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
 
-from keras_mirror_kit import backends
-from keras_mirror_kit.callbacks.keras_loop import find_callback_list, steps_done
+from keras_mirror_kit import backends, fit_hooks
+from keras_mirror_kit.callbacks.keras_loop import steps_done
+from keras_mirror_kit.callbacks.placement import LoopHook, place_after_stateful
 from keras_mirror_kit.checkpoint.best import BestKeeper, metric_direction
 from keras_mirror_kit.checkpoint.callback_state import (
     apply_callback_states,
     best_weights_restored,
     callback_states,
-    is_stateful,
 )
 from keras_mirror_kit.checkpoint.divergence import (
     ReplicaDivergenceError,
@@ -52,7 +52,7 @@ from keras_mirror_kit.checkpoint.snapshot import (
 from keras_mirror_kit.checkpoint.start_state import StartState
 from keras_mirror_kit.checkpoint.state import build_optimizer, state_variables
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
-from keras_mirror_kit.data import cursor_of
+from keras_mirror_kit.fit_inputs import kit_pipeline
 from keras_mirror_kit.model_record import engine_of, is_chief
 from keras_mirror_kit.validation import (
     check_bool,
@@ -103,14 +103,19 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     checkpoint may come from a run with another replica count.
 
     With an integer `save_freq`, checkpoints are also written every `save_freq` batches.
-    Given `dataset=` (a dataset built by `kmk.make_dataset`, the same object given to
-    `fit`), a run resumes exactly where it stopped, mid-epoch: the consumed batches of that
-    epoch are skipped and the epoch ends after its remaining batches. When the data changed
-    (another number of samples per epoch, another explicit seed) the resume starts at the
-    newest epoch boundary with a warning saying why (`strict=True`: `CheckpointError`).
-    Without `dataset=`, Keras cannot start an epoch part-way, so the resume uses the newest
-    checkpoint written at an epoch boundary and re-trains the interrupted epoch from its
-    start. Either way no batch is trained twice.
+    When `fit` trains on a kit dataset (`kmk.make_dataset`, the folder and record
+    loaders), or on maps and prefetches after one (`train_ds.map(f).prefetch(2)`), a run
+    resumes exactly where it stopped, mid-epoch: the consumed batches of that epoch are
+    skipped and the epoch ends after its remaining batches. `fit` finds that dataset
+    upstream of what it got; `dataset=` names it (`fit` must then train on it). The
+    `fit(x, y, batch_size=..., validation_split=..., shuffle=...)` of a model the kit built
+    trains on a kit dataset of the arrays' batches (Keras' split, a shuffle keyed on (seed,
+    epoch)) and resumes mid-epoch too. When the data changed (another number of samples
+    per epoch, another explicit seed) the resume starts at the newest epoch boundary with a
+    warning saying why (`strict=True`: `CheckpointError`). For other data Keras cannot
+    start an epoch part-way, so the resume uses the newest checkpoint written at an epoch
+    boundary and re-trains the interrupted epoch from its start. Either way no batch is
+    trained twice.
 
     With `steps_per_execution > 1`, saves happen at execution boundaries, and an exact
     mid-epoch resume needs the epoch length to be a multiple of `steps_per_execution`
@@ -120,10 +125,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     `fit` on the same model behaves normally: it neither restores again nor skips epochs.
     After a `fit` that raised, the same instance resumes exactly as a new one would.
 
-    To see the other callbacks, `SyncedCheckpoint` finds the `CallbackList` Keras drives it
-    with; its epoch-end save then runs after the stateful callbacks (it moves itself after
-    the last of them), a stop request is cleared only when it is its own, and the
-    consumed-position check reads the dataset cursor.
+    To see the other callbacks, `SyncedCheckpoint` is handed the list of `fit()`'s
+    callbacks (`keras_mirror_kit.fit_hooks`, for any model); its epoch-end save then runs
+    after the stateful callbacks (it moves itself after the last of them), and a stop
+    request is cleared only when it is its own.
 
     Args:
         directory: Directory for the checkpoints; created if missing.
@@ -136,8 +141,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             that are not. Unsynchronised BatchNormalization moving statistics legitimately
             differ per replica: they are reported in the log, not raised, and replica 0's
             values are saved.
-        dataset: The training dataset, when built by `kmk.make_dataset`, for exact
-            mid-epoch resume. It must be the object given to `fit`.
+        dataset: The kit dataset `fit` trains on (built by `kmk.make_dataset` or a kit
+            loader), optionally followed by maps and prefetches; `fit` must then train on
+            it or on maps and prefetches after it. Without it, `fit` finds the kit dataset
+            itself.
         verify_atol: Absolute tolerance of the replica comparison, >= 0 (default exact).
         strict: Refuse (`CheckpointError`) instead of falling back to an epoch boundary
             when the data no longer matches a mid-epoch checkpoint.
@@ -211,17 +218,21 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         async_save: bool = False,
     ) -> None:
         super().__init__()
+        fit_hooks.install()  # any model's fit() then hands over its callbacks (FitHooks)
         check_path("directory", directory)
         save_freq = positive_int_or("save_freq", save_freq, "epoch", "batches")
         cursor = None
         if dataset is not None:
-            cursor = cursor_of(dataset)
-            if cursor is None:
+            pipeline = kit_pipeline(dataset)
+            if pipeline is None or not pipeline.exact:
                 raise ValueError(
-                    "`dataset` must be a dataset built by kmk.make_dataset (it carries the "
-                    "position needed for an exact mid-epoch resume); omit it for other "
-                    f"datasets. Received: dataset={type(dataset).__name__}"
+                    "`dataset` must be a dataset built by kmk.make_dataset, or that dataset "
+                    "followed by maps and prefetches (it carries the position needed for an "
+                    "exact mid-epoch resume); omit it for other datasets"
+                    f"{': ' + pipeline.breaks if pipeline and pipeline.breaks else ''}. "
+                    f"Received: dataset={type(dataset).__name__}"
                 )
+            cursor = pipeline.cursor
         self._preemption = PreemptionGuard(preemption_signals)  # validates them
         self._best = BestKeeper(monitor, mode, keep_best)
         self._store = CheckpointStore(directory, keep=keep, keep_best=keep_best)
@@ -241,9 +252,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self.monitor, self.mode, self.keep_best = monitor, mode, keep_best
         self._model_config: dict[str, Any] | None = None
         self.preemption_signals = self._preemption.signals
-        self._cursor: DatasetCursor | None = cursor
-        self._callback_list: Any = None
-        self._original_callbacks: list[Any] = []
+        self._given_cursor: DatasetCursor | None = cursor  # dataset='s
+        self._cursor: DatasetCursor | None = cursor  # the one this fit() resumes by
+        # What arrange_callbacks placed for the fit() under way: stateful callbacks, hooks.
+        self._arranged: tuple[list[tuple[str, Any]], LoopHook, LoopHook] | None = None
         self._start_state: StartState | None = None  # until this fit()'s first checkpoint
         self._reset_run_state()
 
@@ -268,8 +280,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._last_save: tuple[int, int, bool, bool] | None = None  # epoch, step, end, stop
         self._tracked: list[tuple[str, Any]] = []
         self._pending_states: tuple[Mapping[str, Any], Mapping[str, np.ndarray]] | None = None
-        self._head: _Hook | None = None
-        self._tail: _Hook | None = None
+        self._head: LoopHook | None = None
+        self._tail: LoopHook | None = None
         self.last_restored: LoadedCheckpoint | None = None
 
     def _fits_key(self) -> str:
@@ -284,12 +296,12 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             raise
 
     def on_fit_exception(self, exception: BaseException) -> None:
-        """Cleans up after a `fit` that raised (`fit_wrapper.FitHooks`; `exception` goes on).
+        """Cleans up after a `fit` that raised (`fit_hooks.FitHooks`; `exception` goes on).
 
         Puts the previous signal handlers back, waits for a background write, and releases
-        the directory's lock. Keras skips `on_train_end` when `fit` raises; for a model the
-        kit did not build, the lock is released by the next `fit` in this process or when
-        the process exits.
+        the directory's lock: Keras skips `on_train_end` when `fit` raises. In a loop driven
+        by hand, call it yourself (or the lock is released by the next `fit` in this
+        process, or when the process exits).
         """
         self._preemption.stop()  # the signal handlers from before this fit()
         try:
@@ -306,12 +318,11 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self.wait_for_pending_save()
         # A fit() interrupted by an exception never reached on_train_end: clear its epoch.
         self.model._initial_epoch = None  # noqa: SLF001
-        self._detach()
         self._reset_run_state()
         check_callback_model(self.model, "SyncedCheckpoint")
         self._fit_history = list(_COMPLETED_FITS.get(self.model, {}).get(self._fits_key(), []))
         self._fit_index = len(self._fit_history)
-        self._attach(find_callback_list(self))
+        self._adopt_arrangement()
         self._is_chief = is_chief(self.model)
         # Mid-epoch checkpoints are resume points for this run only when it can resume from
         # them (see resume.mid_epoch_skip): retention counts them as such only then.
@@ -329,7 +340,11 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                     "them away. Use a new directory, remove the old checkpoints yourself, or "
                     f"pass restore=True to continue from them. Received: restore=False"
                 )
-        check_whole_epochs(self._cursor, self.params.get("steps") if self.params else None)
+        steps = self.params.get("steps") if self.params else None
+        if self._given_cursor is None and self._cursor is not None:
+            if steps is not None and steps != self._cursor.num_batches:
+                self._cursor = None  # found, not given: part epochs resume at their starts
+        check_whole_epochs(self._cursor, steps)
         build_optimizer(self.model)
         self._best.begin(lambda name: metric_direction(self.model, name))
         # The architecture, for export outside fit (keras-mirror-kit ckpt export).
@@ -448,7 +463,6 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         fits[self._fits_key()] = [*self._fit_history, self._epochs()]
         self._resume_epoch = None
         self._resume_skip = 0
-        self._detach()
         self.wait_for_pending_save()  # fit() returns once every checkpoint is written
         if self._preemption.finish(self._steps_in_fit):  # a signal in the last epoch's end
             self._raise_preempted()
@@ -489,26 +503,38 @@ class SyncedCheckpoint(keras.callbacks.Callback):
 
     # -- the callbacks list ------------------------------------------------------------------
 
-    def _attach(self, callback_list: Any) -> None:
-        """Finds the stateful callbacks and places the hooks (and itself after them)."""
-        if callback_list is None:
+    def arrange_callbacks(self, callbacks: list[Any]) -> list[Any]:
+        """Runs after the stateful callbacks, with hooks first and last (`FitHooks`).
+
+        Called by `fit()` before Keras builds its `CallbackList`: the stateful callbacks
+        (EarlyStopping, ReduceLROnPlateau, ...) are found, so that their states are saved
+        and restored, this callback moves after them, so that each epoch end saves their
+        state of that epoch, and two hooks run first (a resumed epoch's callback states are
+        put back before any callback's `on_epoch_begin`) and last (the end of a resumed
+        epoch is requested after every other callback's `on_train_batch_end`).
+        """
+        head = LoopHook(epoch_begin=self._before_epoch, epoch_end=self._clear_own_stop)
+        tail = LoopHook(batch_end=self._request_epoch_end)
+        tracked, arranged = place_after_stateful(self, callbacks, head, tail)
+        self._arranged = (tracked, head, tail)
+        return arranged
+
+    def on_fit_end(self) -> None:
+        """Once `fit()` returned or raised: no signal handler, no arrangement (`FitHooks`)."""
+        self._preemption.stop()  # already done by on_train_end or on_fit_exception
+        self._arranged = None
+        self._cursor = self._given_cursor  # the next fit() finds its own
+
+    def _adopt_arrangement(self) -> None:
+        """Takes the hooks `arrange_callbacks` placed for this fit() (none outside fit())."""
+        if self._arranged is None:
             logger.debug(
-                "keras-mirror-kit: SyncedCheckpoint found no CallbackList (a hand-driven "
-                "loop) and runs unhooked: other callbacks' states are not saved, and the "
-                "end of a resumed epoch is requested at its own position in the list"
+                "keras-mirror-kit: SyncedCheckpoint runs outside fit() (a hand-driven loop) "
+                "and unhooked: other callbacks' states are not saved, and the end of a "
+                "resumed epoch is requested at its own position in the list"
             )
             return
-        # The head and tail run these steps of this callback first and last in the list.
-        head = _Hook(epoch_begin=self._before_epoch, epoch_end=self._clear_own_stop)
-        tail = _Hook(batch_end=self._request_epoch_end)
-        self._tracked, self._original_callbacks = _place(self, callback_list, head, tail)
-        self._callback_list, self._head, self._tail = callback_list, head, tail
-
-    def _detach(self) -> None:
-        """Puts back the order of a CallbackList that may be reused (the user's own)."""
-        callback_list, self._callback_list = self._callback_list, None
-        if callback_list is not None:
-            callback_list.callbacks = self._original_callbacks
+        self._tracked, self._head, self._tail = self._arranged
 
     def _before_epoch(self) -> None:
         # Keras read the resume epoch when the loop started; a later fit() must not.
@@ -536,9 +562,14 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         if self._cursor.get() == (self._epoch, self._epoch_skip):
             raise other_dataset_error(self._cursor, "the dataset given was never read")
 
+    @property
+    def resumes_mid_epoch(self) -> bool:
+        """Without `dataset=`, a kit-built model's `fit(x, y)` resumes mid-epoch (`FitHooks`)."""
+        return self._given_cursor is None
+
     def check_fit_data(self, x: Any) -> None:
-        """Refuses `fit`'s data unless it is the `dataset=` given (`fit_wrapper.FitHooks`)."""
-        check_fit_dataset(self._cursor, x)
+        """Checks `fit`'s data against `dataset=`, or finds its kit dataset (`FitHooks`)."""
+        self._cursor = check_fit_dataset(self._given_cursor, x, self.strict)
 
     def _epoch_length(self) -> int | None:
         if self._cursor is not None:
@@ -626,70 +657,3 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         if resume.fit_index is not None:  # a later stage rerun alone: its number from now on
             self._fit_index = resume.fit_index
             self._fit_history = list(resume.fit_history)
-
-
-class _Hook(keras.callbacks.Callback):
-    """Runs steps of `SyncedCheckpoint` it is given, first (head) or last (tail) in the list.
-
-    The head restores the other callbacks' state before any of them starts an epoch and
-    clears the stop request that ended a resumed epoch early before they see it; the tail
-    asks to end a resumed epoch after every other callback had its say about stopping.
-    """
-
-    def __init__(
-        self,
-        epoch_begin: Callable[[], None] | None = None,
-        epoch_end: Callable[[], None] | None = None,
-        batch_end: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__()
-        self._epoch_begin, self._epoch_end, self._batch_end = epoch_begin, epoch_end, batch_end
-
-    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        if self._epoch_begin is not None:
-            self._epoch_begin()
-
-    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        if self._epoch_end is not None:
-            self._epoch_end()
-
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        if self._batch_end is not None:
-            self._batch_end()
-
-
-def _place(
-    owner: SyncedCheckpoint, callback_list: Any, head: _Hook, tail: _Hook
-) -> tuple[list[tuple[str, Any]], list[Any]]:
-    """Moves `owner` after the stateful callbacks, and puts `head` and `tail` around all.
-
-    Returns the stateful callbacks as `(key, callback)` (keys such as `"EarlyStopping#0"`:
-    the class name, then its number among those of that class) and the list's callbacks
-    before, without hooks of an earlier `fit()`, to put back after. The list gets a new
-    `callbacks` list object, so Keras' loop over the old one (the `on_train_begin` now
-    running) goes on unchanged.
-    """
-    callbacks = [c for c in callback_list.callbacks if c is owner or not isinstance(c, _Hook)]
-    callbacks_before = list(callbacks)
-    tracked: list[tuple[str, Any]] = []
-    counts: dict[str, int] = {}
-    last, mine = -1, callbacks.index(owner)
-    for i, callback in enumerate(callbacks):
-        if callback is owner or not is_stateful(callback):
-            continue
-        name = type(callback).__name__
-        tracked.append((f"{name}#{counts.get(name, 0)}", callback))
-        counts[name] = counts.get(name, 0) + 1
-        last = i
-    if last > mine:
-        callbacks.remove(owner)
-        callbacks.insert(last, owner)
-        logger.debug(
-            "keras-mirror-kit: SyncedCheckpoint runs after %s so that their state at "
-            "each epoch end is saved",
-            ", ".join(key for key, _ in tracked),
-        )
-    for hook in (head, tail):
-        hook.set_model(owner.model)
-    callback_list.callbacks = [head, *callbacks, tail]
-    return tracked, callbacks_before

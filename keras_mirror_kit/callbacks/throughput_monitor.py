@@ -14,6 +14,7 @@ from typing import Any
 
 import keras
 
+from keras_mirror_kit import fit_hooks
 from keras_mirror_kit.callbacks.keras_loop import steps_done
 from keras_mirror_kit.fit_wrapper import batch_plan
 from keras_mirror_kit.model_record import engine_of, is_chief
@@ -139,7 +140,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
     ```
     """
 
-    produces_logs = True  # fit_wrapper.FitHooks: a kit-built model's fit() runs it first
+    produces_logs = True  # fit_hooks.FitHooks: fit() runs it before the other callbacks
 
     def __init__(
         self,
@@ -153,6 +154,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
         peak_flops: float | None = None,
     ) -> None:
         super().__init__()
+        fit_hooks.install()  # any model's fit() then runs it first (produces_logs)
         if global_batch_size is not None:
             positive_int("global_batch_size", global_batch_size)
         if num_replicas is not None:

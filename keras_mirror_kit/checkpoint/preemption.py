@@ -189,7 +189,6 @@ class PreemptionGuard:
         self.stop_agreed = False
         self.next_check: float = math.inf  # the step count of the next look at the flag
         self._previous: list[tuple[signal.Signals, Any, Any]] = []
-        self._fit_frame: tuple[int, Any] | None = None
         self._workers = 1
         self._cluster: Any = None  # the backend's StopAgreement with several workers
         self._proposed = False
@@ -216,7 +215,6 @@ class PreemptionGuard:
                 "/".join(s.name for s in self.signals),
             )
             return
-        self._fit_frame = _find_fit_frame(model)
         for sig in self.signals:
             raw = _save_action(sig)
             previous = signal.signal(sig, self._on_signal)
@@ -225,7 +223,6 @@ class PreemptionGuard:
     def stop(self) -> None:
         """Puts back the handlers installed before `start` (at once when none are installed)."""
         previous, self._previous = self._previous, []
-        self._fit_frame = None
         cluster, self._cluster = self._cluster, None
         if cluster is not None:
             cluster.release()  # the watching thread ends
@@ -292,10 +289,6 @@ class PreemptionGuard:
         return stop
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if not self._fit_is_running(frame):  # fit() raised and nobody told us: step aside
-            self.stop()
-            signal.raise_signal(signum)  # to the handler that was there before
-            return
         if self.requested is None:
             self.requested = signal.Signals(signum)
             self.next_check = 0  # seen at the next batch end
@@ -306,16 +299,6 @@ class PreemptionGuard:
         """A worker published the step to stop at: look at it from the next batch end."""
         self.next_check = 0
 
-    def _fit_is_running(self, frame: FrameType | None) -> bool:
-        if self._fit_frame is None:
-            return True  # no fit() frame was found (a hand-driven loop): until stop()
-        frame_id, code = self._fit_frame
-        while frame is not None:
-            if id(frame) == frame_id and frame.f_code is code:
-                return True
-            frame = frame.f_back
-        return False
-
 
 def _num_workers(model: Any) -> int:
     """Worker processes of the model's strategy (1 without a multi-worker strategy)."""
@@ -325,13 +308,3 @@ def _num_workers(model: Any) -> int:
     if dist is not None:
         return int(dist.num_workers)
     return strategy_workers(getattr(model, "distribute_strategy", None))
-
-
-def _find_fit_frame(model: Any) -> tuple[int, Any] | None:
-    """The (id, code) of Keras' `fit` frame of `model` on the current stack, if any."""
-    frame = sys._getframe(1)  # noqa: SLF001
-    while frame is not None:
-        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-            return id(frame), frame.f_code
-        frame = frame.f_back
-    return None

@@ -20,7 +20,7 @@ from keras_mirror_kit import backends
 from keras_mirror_kit.checkpoint.meta import CheckpointMeta, DataDescription
 from keras_mirror_kit.checkpoint.state import apply_state
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
-from keras_mirror_kit.fit_inputs import dataset_cursor, steps_after_kit_dataset
+from keras_mirror_kit.fit_inputs import KitPipeline, dataset_cursor, kit_pipeline
 from keras_mirror_kit.model_record import distribution_of
 
 if TYPE_CHECKING:  # data.cursor imports TensorFlow: not for a JAX-only install
@@ -427,29 +427,75 @@ def other_dataset_error(cursor: DatasetCursor, why: str) -> ValueError:
     )
 
 
-def check_fit_dataset(cursor: DatasetCursor | None, x: Any) -> None:
-    """Refuses `fit`'s `x` unless it is the dataset `SyncedCheckpoint(dataset=)` names.
+def check_fit_dataset(cursor: DatasetCursor | None, x: Any, strict: bool = False) -> Any:
+    """The cursor a `fit()` on `x` resumes by: `dataset=`'s, checked, or the one `x` is built on.
+
+    With `cursor` (the kit dataset `SyncedCheckpoint(dataset=)` names), `x` must be that
+    dataset or a pipeline of steps after it that keep its batches. Without, the kit dataset
+    `x` is, or is built on through maps and prefetches (`train_ds.map(f).prefetch(2)`), is
+    found; other pipelines resume at epoch boundaries (None). Either way a map after the kit
+    dataset that draws from shared random state is warned about (`strict`: refused).
 
     Raises:
-        ValueError: For another kit dataset, or a pipeline built on this one (`.map()`,
-            `.cache()`, ...), naming the steps after it and what to write instead.
+        ValueError: For another kit dataset than `dataset=`, a pipeline built on it that
+            rebatches it, caches it or reorders it (naming the step and what to write
+            instead), or, with `strict`, a map after it with stateful random ops.
     """
+    pipeline = kit_pipeline(x)
     if cursor is None:
-        return
+        if pipeline is None:
+            return None
+        if not pipeline.exact:
+            logger.info(
+                "keras-mirror-kit: SyncedCheckpoint resumes at epoch boundaries: fit() trains "
+                "on %s after a kit dataset, %s",
+                " -> ".join(pipeline.steps),
+                pipeline.breaks or "which changes which batches an epoch holds",
+            )
+            return None
+        _check_maps(pipeline, strict)
+        return pipeline.cursor
     found = dataset_cursor(x)
     if found is not None and found is not cursor:
         raise other_dataset_error(cursor, "fit() was given another kmk.make_dataset object")
-    upstream, steps = steps_after_kit_dataset(x) if found is None else (None, [])
-    if upstream is cursor and steps:
+    if pipeline is None or pipeline.cursor is not cursor:
+        return cursor  # a generator or a zip over it, say: checked at the first batch end
+    received = f"Received: x={type(x).__name__} ({' -> '.join(['kit dataset', *pipeline.steps])})"
+    if pipeline.breaks:
+        raise ValueError(
+            "fit() was given a pipeline built on the dataset of SyncedCheckpoint(dataset=...) "
+            f"that cannot resume mid-epoch exactly: {pipeline.breaks}. Or leave out dataset= "
+            f"(the checkpoints then resume at epoch boundaries). No step was trained. {received}"
+        )
+    if found is None:
         raise ValueError(
             "fit() was given a pipeline built on the dataset of SyncedCheckpoint(dataset=...): "
-            f"{' -> '.join(steps)} after it. A checkpoint saves the kit dataset's position, "
-            "and what the steps after it do is not part of it, so the kit cannot resume "
-            "that pipeline exactly. Pass the kit dataset itself to fit(), with the per-batch "
-            "work in make_dataset(preprocess=...) (or augment= for a folder's training "
-            "subset; the kit batches and prefetches already), or leave out dataset= (the "
-            "checkpoints then resume at epoch boundaries). No step was trained. "
-            f"Received: x={type(x).__name__} ({' -> '.join(['kit dataset', *steps])})"
+            f"{' -> '.join(pipeline.steps)} after it. A checkpoint saves the kit dataset's "
+            "position, and these steps change which batches an epoch holds, so the kit "
+            "cannot resume that pipeline exactly. Map and prefetch after the kit dataset as "
+            "you like; do the batching in the kit dataset (make_dataset(..., batch_size), its "
+            "preprocess=, or augment= for a folder's training subset), or leave out dataset= "
+            f"(the checkpoints then resume at epoch boundaries). No step was trained. {received}"
+        )
+    _check_maps(pipeline, strict)
+    return cursor
+
+
+def _check_maps(pipeline: KitPipeline, strict: bool) -> None:
+    """Warns about (`strict`: refuses) maps after the kit dataset with stateful random ops."""
+    from keras_mirror_kit.data.augment import check_deterministic, describe  # TensorFlow
+
+    for function, graph in pipeline.maps:
+        check_deterministic(
+            graph,
+            f"The .map({describe(function)}) after the kit dataset that fit() trains on",
+            strict,
+            remedy=(
+                "Move the random work into the kit dataset, where every draw is keyed on "
+                "(seed, epoch, batch): make_dataset(preprocess=...), or augment= of "
+                "image_dataset_from_directory / text_dataset_from_directory for the training "
+                "subset only (Keras' random layers as they are)."
+            ),
         )
 
 

@@ -1,27 +1,24 @@
 """`image_dataset_from_directory` and `text_dataset_from_directory` with Keras' signatures.
 
 The files are found, ordered, split and labelled by Keras' own `index_directory` and
-`get_training_or_validation_split`, and each one is read by Keras' own decode function
-(`_load_image_tf`, `_path_to_string_content_tf`): the same `file_paths`, `class_names`,
-labels and pixels as `keras.utils.image_dataset_from_directory`. Only the iteration order
-differs: instead of a shuffle buffer of `8 x batch_size` paths, each epoch is a permutation
-keyed on `(seed, epoch)` (`make_dataset(paths, labels, load=...)`), which a
-`SyncedCheckpoint(dataset=)` resumes exactly mid-epoch.
+`get_training_or_validation_split`, and read as Keras' `_load_image_tf` and
+`_path_to_string_content_tf` read them (a bilinear resize from float32: the same values):
+the same `file_paths`, `class_names`, labels and pixels as Keras' loaders. What differs:
+each epoch is a permutation keyed on `(seed, epoch)`, which `SyncedCheckpoint(dataset=)`
+resumes exactly mid-epoch, not a shuffle buffer; and the dataset has one element per
+batch, whose files a `tf.map_fn` decodes (a tf.data element per file costs more than
+decoding a small image), the batches in a parallel, deterministic map.
 
-With a `seed`, the files are indexed in the order Keras gives them with that seed. Without
-one, they are indexed in sorted order (Keras would order them by a seed drawn at random)
-and the kit's permutation, keyed on a seed it draws and `SyncedCheckpoint` saves, does
-all the shuffling: a resumed run re-indexes the same order.
-
-Files someone else made are checked before training starts: with `follow_links=True` a
-symbolic link that leads back to a folder above it (which Keras' `os.walk` would follow
-forever) is a `ValueError`, and every image file's header is read
-(`data.image_headers`) so that one declaring more than `max_image_pixels` pixels (a
-decompression bomb) is refused before anything is decoded.
+With a `seed`, the files are indexed in the order Keras gives them with that seed; without
+one, in sorted order, and the kit's permutation (its drawn seed saved by `SyncedCheckpoint`)
+does all the shuffling. Files someone else made are checked before training starts
+(`data.image_headers`): a symbolic link back to a folder above it (`follow_links=True`)
+and an image header that declares more than `max_image_pixels` pixels are refused.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,29 +26,42 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror_kit.data.image_headers import DEFAULT_MAX_IMAGE_PIXELS, check_image_file
-from keras_mirror_kit.data.pipeline import (
-    build_dataset,
-    check_batch_function,
-    multi_worker_expected,
+from keras_mirror_kit.data.augment import (
+    RandomCropFlip,
+    check_deterministic,
+    decode_like_keras,
+    describe,
+    fold_key,
 )
-from keras_mirror_kit.data.preprocess import then
-from keras_mirror_kit.validation import positive_int
+from keras_mirror_kit.data.cursor import DatasetCursor
+from keras_mirror_kit.data.image_headers import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    check_image_files,
+    check_link_loops,
+)
+from keras_mirror_kit.data.info import DatasetInfo
+from keras_mirror_kit.data.pipeline import (
+    _num_batches,
+    _placement,
+    check_batch_function,
+    finish_dataset,
+    multi_worker_expected,
+    resolve_seed,
+)
+from keras_mirror_kit.data.preprocess import _Then, then
+from keras_mirror_kit.data.samples import BATCH_DOMAIN, apply_keyed
+from keras_mirror_kit.data.sharding import fill_batch, own_range, record_part, worker_slice
+from keras_mirror_kit.data.sources import index_batches, to_tensors
+from keras_mirror_kit.validation import check_bool, positive_int
 
 __all__ = ["image_dataset_from_directory", "text_dataset_from_directory"]
 
 IMAGE_FORMATS = (".bmp", ".gif", ".jpeg", ".jpg", ".png")
-INTERPOLATIONS = (
-    "bilinear",
-    "nearest",
-    "bicubic",
-    "area",
-    "lanczos3",
-    "lanczos5",
-    "gaussian",
-    "mitchellcubic",
-)
+INTERPOLATIONS = ("bilinear", "nearest", "bicubic", "area")
+INTERPOLATIONS += ("lanczos3", "lanczos5", "gaussian", "mitchellcubic")
 _CHANNELS = {"grayscale": 1, "rgb": 3, "rgba": 4}
+# What the files of one batch may occupy decoded, summed over the batches decoded at once.
+_IN_FLIGHT_BYTES = 256 * 2**20
 
 
 class _Load:
@@ -59,14 +69,146 @@ class _Load:
 
     def __init__(self, name: str, function: Callable[..., Any], *args: Any) -> None:
         self.name = name
-        self._function = function
-        self._args = args
+        self.function = function
+        self.args = args  # after the path
 
     def __call__(self, path: tf.Tensor) -> tf.Tensor:
-        return self._function(path, *self._args)
+        return self.function(path, *self.args)
 
     def __repr__(self) -> str:
         return self.name
+
+
+def _decode_crop(augment: Any) -> tuple[RandomCropFlip | None, Any]:
+    """`(crop done while decoding, the rest of augment per batch)` for an image loader."""
+    if isinstance(augment, RandomCropFlip):
+        return augment, None
+    if isinstance(augment, _Then) and isinstance(augment.first, RandomCropFlip):
+        return augment.first, augment.second
+    return None, augment
+
+
+def _parallelism(spec: tf.TensorSpec, per_batch: int) -> tuple[int, int]:
+    """`(batches decoded at once, files decoded at once in each)`: twice as many files as
+    cores in flight (one batch's end does not idle a core), and at most
+    `_IN_FLIGHT_BYTES` of decoded batches (at least one batch)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    known = spec.shape.is_fully_defined() and spec.dtype != tf.string
+    sample = spec.shape.num_elements() * spec.dtype.size if known else 4096
+    calls = max(1, min(cores, _IN_FLIGHT_BYTES // max(1, sample * per_batch)))
+    return calls, max(2, -(-2 * cores // calls))
+
+
+def _output_spec(load: _Load) -> tf.TensorSpec:
+    """What `load` returns for one file (traced once)."""
+    traced = tf.function(load, autograph=False).get_concrete_function(tf.TensorSpec([], tf.string))
+    out = traced.structured_outputs
+    return tf.TensorSpec(out.shape, out.dtype)
+
+
+def _folder_dataset(
+    paths: list[str],
+    labels: Any,
+    batch_size: int,
+    *,
+    shuffle: bool,
+    seed: int | None,
+    load: _Load,
+    crop: RandomCropFlip | None,
+    shapes: np.ndarray | None,
+    label_map: Callable[[Any], Any] | None,
+    drop_remainder: bool | None,
+    preprocess: Callable[[Any], Any] | None,
+    preprocess_on: str,
+    strict: bool,
+) -> tf.data.Dataset:
+    """A kit dataset of a folder's files: one element per batch, its files decoded by
+    `load` in a `map_fn` (the batches in a parallel, deterministic map); `make_dataset(
+    paths, labels, load=load)` gives the same batches, at a tf.data element per file."""
+    batch_size = positive_int("batch_size", batch_size)
+    placement = _placement(preprocess, preprocess_on)
+    strict = check_bool("strict", strict)
+    seed, seed_given = resolve_seed(seed, shuffle, "image_dataset_from_directory")
+    drop = shuffle if drop_remainder is None else bool(drop_remainder)
+    n = len(paths)
+    num_batches = _num_batches(n, batch_size, drop)
+    cursor = DatasetCursor(num_batches, seed=seed, seed_given=seed_given, num_samples=n)
+    whole = None
+    if num_batches * batch_size < n and drop:  # what evaluation iterates: every sample
+        whole = functools.partial(
+            _folder_dataset, paths, labels, batch_size, shuffle=shuffle, seed=seed,
+            load=load, crop=crop, shapes=shapes, label_map=label_map, drop_remainder=False,
+            preprocess=preprocess, preprocess_on=preprocess_on, strict=strict,
+        )  # fmt: skip
+    info = DatasetInfo(
+        cursor,
+        batch_size,
+        epoch_samples=n if not drop else num_batches * batch_size,
+        preprocess_on=placement,
+        whole=whole,
+    )
+    part = worker_slice()
+    record_part(cursor, part)
+    items = to_tensors(np.asarray(paths, dtype=str))
+    label_values = None if labels is None else to_tensors(labels)
+    shape_values = None if shapes is None or crop is None else to_tensors(shapes)
+    all_jpeg = shapes is not None and bool(np.all(shapes[:, 2]))
+    spec = _output_spec(load)
+    own = batch_size if part is None else -(-batch_size // part.num_workers)
+    calls, per_batch = _parallelism(spec, own)
+
+    def batches(apply: Callable[[Any], Any] | None, check: bool) -> tf.data.Dataset:
+        graphs: list[tf.Graph] = []
+
+        def decode(batch: dict[str, tf.Tensor]) -> Any:
+            ids = batch["ids"]
+            size = tf.shape(ids, out_type=tf.int64)[0]
+            key = fold_key(batch["epoch_key"], BATCH_DOMAIN, batch["position"])
+            picks = None
+            if part is not None:  # this worker's block (one filler when it is empty)
+                start, end = own_range(size, part)
+                picks = tf.minimum(start + tf.range(tf.maximum(end - start, 1)), size - 1)
+                ids = tf.gather(ids, picks)
+            files = tf.gather(items, ids)
+            if crop is None:
+                features = tf.map_fn(
+                    load, files, fn_output_signature=spec, parallel_iterations=per_batch
+                )
+            else:
+                draws = crop.draws(key, size)
+                draws = draws if picks is None else tf.gather(draws, picks)
+                found = None if shape_values is None else tf.gather(shape_values, ids)
+                features = crop.decode_batch(
+                    files, draws, found, spec, load.args, per_batch, all_jpeg=all_jpeg
+                )
+            if part is not None:
+                features = fill_batch(features, size, start)
+            if apply is not None:
+                graphs.append(tf.compat.v1.get_default_graph())
+                features = apply_keyed(apply, features, key)
+            if label_values is None:
+                return features
+            found = tf.gather(label_values, batch["ids"])
+            return features, found if label_map is None else label_map(found)
+
+        dataset = index_batches(cursor, n, batch_size, num_batches, shuffle)
+        dataset = dataset.map(decode, num_parallel_calls=calls, deterministic=True)
+        if check:
+            for graph in graphs:
+                check_deterministic(graph, f"preprocess={describe(apply)}", strict)
+        return dataset
+
+    return finish_dataset(batches, info, preprocess, preprocess_on, labels is not None, True)
+
+
+def _is_remote(path: str) -> bool:
+    """Keras' test of a remote path (gs://, hdfs://, ...): no links, read through gfile."""
+    from keras.src.utils.file_utils import is_remote_path
+
+    return bool(is_remote_path(path))
 
 
 def _check_common(
@@ -105,76 +247,6 @@ def _check_common(
     return labels, label_mode
 
 
-def _class_roots(directory: str, labels: Any, class_names: Any) -> list[str]:
-    """The folders Keras' `index_directory` walks: the class folders, or `directory`."""
-    if labels != "inferred":
-        return [directory]
-    if class_names:
-        return [os.path.join(directory, name) for name in class_names]
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        return []  # Keras' own indexing reports it
-    return [
-        os.path.join(directory, name)
-        for name in names
-        if not name.startswith(".") and os.path.isdir(os.path.join(directory, name))
-    ]
-
-
-def _check_symlink_loops(directory: str, labels: Any, class_names: Any) -> None:
-    """Refuses a symbolic link to a folder above it, which `os.walk(followlinks=True)` loops on."""
-    from keras.src.utils.file_utils import is_remote_path
-
-    if is_remote_path(directory):
-        return  # no symbolic links in remote file systems
-    for root in _class_roots(directory, labels, class_names):
-        try:
-            info = os.stat(root)
-        except OSError:
-            continue
-        # (folder, the (st_dev, st_ino) of it and every folder above it, the last link taken)
-        stack: list[tuple[str, tuple[tuple[int, int], ...], str | None]] = [
-            (root, ((info.st_dev, info.st_ino),), None)
-        ]
-        while stack:
-            folder, above, via = stack.pop()
-            try:
-                entries = list(os.scandir(folder))
-            except OSError:
-                continue  # os.walk skips unreadable folders too
-            for entry in entries:
-                try:
-                    if not entry.is_dir():  # follows links, as os.walk(followlinks=True)
-                        continue
-                    info = entry.stat()
-                    link = entry.path if entry.is_symlink() else via
-                except OSError:
-                    continue
-                key = (info.st_dev, info.st_ino)
-                if key in above:
-                    target = os.path.realpath(link or entry.path)
-                    raise ValueError(
-                        f"The folder {directory} holds a symbolic link that leads back to a "
-                        f"folder above it: {link} -> {target}. With follow_links=True the walk "
-                        "over the files (Keras' os.walk) would follow it forever. Remove the "
-                        "link, or pass follow_links=False. "
-                        f"Received: follow_links=True, link={link!r}"
-                    )
-                stack.append((entry.path, (*above, key), link))
-
-
-def _check_image_headers(paths: Sequence[str], max_image_pixels: int) -> None:
-    """Reads every image's header; refuses one that declares more than the pixel limit."""
-    from keras.src.utils.file_utils import is_remote_path
-
-    def remote(path: str) -> Any:
-        return tf.io.gfile.GFile(path, "rb")
-
-    for path in paths:
-        check_image_file(path, max_image_pixels, opener=remote if is_remote_path(path) else None)
-
-
 def _index(
     directory: str,
     labels: Any,
@@ -199,7 +271,7 @@ def _index(
             "and shuffles the files itself). Received: seed=None"
         )
     if follow_links:
-        _check_symlink_loops(directory, labels, class_names)
+        check_link_loops(directory, labels, class_names, is_remote=_is_remote)
     paths, found_labels, names = dataset_utils.index_directory(
         directory,
         labels,
@@ -251,16 +323,21 @@ def _datasets(
     options: dict[str, Any],
 ) -> Any:
     augment, drop_remainder = options.pop("augment"), options.pop("drop_remainder")
+    crops = options.pop("crops", False)  # whether a RandomCropFlip crops while decoding
+    shapes = options.pop("shapes", None)  # {path: (height, width, is JPEG)} from the headers
     made = []
     for i, (paths, part_labels) in enumerate(parts):
         validation = subset == "validation" or (subset == "both" and i == 1)
         labels = None
         if label_mode is not None:
             labels = np.asarray(part_labels, dtype="int32")
-        preprocess = options["preprocess"]
+        preprocess, crop, rest = options["preprocess"], None, augment
         if augment is not None and not validation:
-            preprocess = augment if preprocess is None else then(preprocess, augment)
-        dataset = build_dataset(
+            if crops:
+                crop, rest = _decode_crop(augment)
+            if rest is not None:
+                preprocess = rest if preprocess is None else then(preprocess, rest)
+        dataset = _folder_dataset(
             paths,
             labels,
             batch_size,
@@ -269,6 +346,8 @@ def _datasets(
             shuffle=shuffle and not (subset == "both" and validation),
             seed=seed,
             load=load,
+            crop=crop,
+            shapes=None if shapes is None else np.asarray([shapes[p] for p in paths], "int32"),
             label_map=_label_map(label_mode, len(class_names) if class_names else 0),
             drop_remainder=False if validation else drop_remainder,
             **{**options, "preprocess": preprocess},
@@ -388,7 +467,9 @@ def image_dataset_from_directory(
             after `preprocess` (random augmentation, e.g. a `keras.Sequential` of
             `RandomFlip` and `RandomRotation` layers: its draws are keyed as
             `preprocess`'s are): with `subset="both"` the validation subset is exactly
-            Keras' own. Not allowed with `subset="validation"`.
+            Keras' own. Not allowed with `subset="validation"`. `kmk.random_crop_flip()`
+            (alone, or first in `then(...)`) crops and flips while the files are decoded,
+            before `preprocess`: the images stay `image_size`.
         drop_remainder: Drop the last partial batch of the training data; defaults to
             `shuffle`. A validation subset (`subset="validation"`, or the second of
             `subset="both"`) keeps every sample, whatever `shuffle` says.
@@ -472,13 +553,22 @@ def image_dataset_from_directory(
         label_mode,
         "images",
     )
+    shapes = None
     if max_image_pixels is not None:
-        _check_image_headers([path for paths, _ in parts for path in paths], max_image_pixels)
+        every = [path for paths, _ in parts for path in paths]
+        sizes = check_image_files(
+            every,
+            max_image_pixels,
+            is_remote=_is_remote,
+            remote_opener=lambda path: tf.io.gfile.GFile(path, "rb"),
+        )
+        shapes = {p: (s.height, s.width, s.format == "jpeg") for p, s in zip(every, sizes)}
     size = tuple(int(v) for v in image_size)
+    fast = interpolation == "bilinear" and not (crop_to_aspect_ratio or pad_to_aspect_ratio)
     load = _Load(
         f"decode_image(image_size={size}, color_mode={color_mode!r}, "
         f"interpolation={interpolation!r})",
-        _load_image_tf,
+        decode_like_keras if fast else _load_image_tf,
         size,
         _CHANNELS[color_mode],
         interpolation,
@@ -492,6 +582,8 @@ def image_dataset_from_directory(
         augment=augment,
         drop_remainder=drop_remainder,
         strict=strict,
+        crops=True,
+        shapes=shapes,
     )
     return _datasets(parts, names, label_mode, load, batch_size, shuffle, seed, subset, options)
 

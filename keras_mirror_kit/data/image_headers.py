@@ -6,7 +6,10 @@ a small file that declares a huge image (a "decompression bomb": a 0.7 MiB PNG o
 size a file declares (PNG IHDR, the JPEG SOFn marker, every GIF frame's descriptor, the
 BMP info header) from its first bytes and refuses more than
 `max_image_pixels` pixels before anything is decoded. The format is recognised from the
-file's first bytes, as `decode_image` does, not from its name. Standard library only.
+file's first bytes, as `decode_image` does, not from its name. `check_image_files` checks
+a folder's files (in threads: a remote or cold folder's reads overlap), and
+`check_link_loops` refuses a symbolic link back to a folder above it, which Keras' walk
+with `follow_links=True` would never leave. Standard library only.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ from __future__ import annotations
 import errno
 import os
 import struct
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from keras_mirror_kit.atomic_files import open_regular
 
@@ -26,6 +31,8 @@ __all__ = [
     "ImageSize",
     "ImageTooLargeError",
     "check_image_file",
+    "check_image_files",
+    "check_link_loops",
     "read_image_size",
 ]
 
@@ -38,6 +45,9 @@ _MAX_JPEG_SEGMENTS = 4096
 # SOFn markers: every C0-CF except DHT (C4), JPG (C8) and DAC (CC).
 _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _JPEG_NO_LENGTH = frozenset({0x01, *range(0xD0, 0xD9)})  # TEM, RSTn, SOI
+# `check_image_files`: files per task; threads, when the first task's files took longer
+# than `_SLOW_READ_S` each to check (they wait on a disk or the network, not the CPU).
+_FILES_PER_TASK, _THREADS, _SLOW_READ_S = 256, 8, 200e-6
 
 
 class ImageHeaderError(ValueError):
@@ -166,8 +176,30 @@ def _png(cursor: _Cursor) -> tuple[int, int, int, int]:
     return width, height, 1, width * height
 
 
+def _jpeg_in(start: bytes) -> tuple[int, int, int, int] | None:
+    """`_jpeg` of a header whose segments follow one another in `start` (the usual file),
+    or None (stray or fill bytes, markers without a length, more to read: `_jpeg` then
+    reads it, with its errors)."""
+    pos = 2
+    while pos + 9 <= len(start) and start[pos] == 0xFF:
+        marker = start[pos + 1]
+        length = (start[pos + 2] << 8) | start[pos + 3]
+        if marker in _JPEG_NO_LENGTH or marker in (0x00, 0xD9, 0xDA, 0xFF) or length < 2:
+            return None
+        if marker in _JPEG_SOF:
+            if length < 7:
+                return None
+            height, width = struct.unpack_from(">HH", start, pos + 5)
+            return width, height, 1, width * height
+        pos += 2 + length
+    return None
+
+
 def _jpeg(cursor: _Cursor) -> tuple[int, int, int, int]:
     """Width, height, frames, pixels from the first SOFn marker, seeking over segments."""
+    found = _jpeg_in(cursor.buffer) if cursor.pos == 0 else None
+    if found is not None:
+        return found
     cursor.skip(2)
     for _ in range(_MAX_JPEG_SEGMENTS):
         byte = cursor.take(1)[0]
@@ -294,6 +326,143 @@ def read_image_size(file: BinaryIO, *, name: str = "<image>") -> ImageSize:
     if start[:4] == b"RIFF" and start[8:12] == b"WEBP":
         raise _error(name, "it is a WebP image, which the loader does not check")
     raise _error(name, f"its first bytes are not those of one of them ({start[:8]!r})")
+
+
+def _class_roots(directory: str, labels: Any, class_names: Any) -> list[str]:
+    """The folders Keras' `index_directory` walks: the class folders, or `directory`."""
+    if labels != "inferred":
+        return [directory]
+    if class_names:
+        return [os.path.join(directory, name) for name in class_names]
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []  # Keras' own indexing reports it
+    return [
+        os.path.join(directory, name)
+        for name in names
+        if not name.startswith(".") and os.path.isdir(os.path.join(directory, name))
+    ]
+
+
+def check_link_loops(
+    directory: str,
+    labels: Any,
+    class_names: Any,
+    *,
+    is_remote: Callable[[str], bool] = lambda path: False,
+) -> None:
+    """Refuses a symbolic link to a folder above it, which `os.walk(followlinks=True)` loops on.
+
+    Args:
+        directory: The folder Keras' `index_directory` walks.
+        labels: Its `labels` argument (`"inferred"`: only the class folders are walked).
+        class_names: Its `class_names` argument.
+        is_remote: Whether a path is remote (no links there: not checked).
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: Naming the link, if one leads back to a folder above it.
+
+    Example:
+
+    ```python
+    check_link_loops("PetImages", "inferred", None)
+    ```
+    """
+    if is_remote(directory):
+        return  # no symbolic links in remote file systems
+    for root in _class_roots(directory, labels, class_names):
+        try:
+            info = os.stat(root)
+        except OSError:
+            continue
+        # (folder, the (st_dev, st_ino) of it and every folder above it, the last link taken)
+        stack: list[tuple[str, tuple[tuple[int, int], ...], str | None]] = [
+            (root, ((info.st_dev, info.st_ino),), None)
+        ]
+        while stack:
+            folder, above, via = stack.pop()
+            try:
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue  # os.walk skips unreadable folders too
+            for entry in entries:
+                try:
+                    if not entry.is_dir():  # follows links, as os.walk(followlinks=True)
+                        continue
+                    info = entry.stat()
+                    link = entry.path if entry.is_symlink() else via
+                except OSError:
+                    continue
+                key = (info.st_dev, info.st_ino)
+                if key in above:
+                    target = os.path.realpath(link or entry.path)
+                    raise ValueError(
+                        f"The folder {directory} holds a symbolic link that leads back to a "
+                        f"folder above it: {link} -> {target}. With follow_links=True the walk "
+                        "over the files (Keras' os.walk) would follow it forever. Remove the "
+                        "link, or pass follow_links=False. "
+                        f"Received: follow_links=True, link={link!r}"
+                    )
+                stack.append((entry.path, (*above, key), link))
+
+
+def check_image_files(
+    paths: Sequence[str],
+    max_image_pixels: int,
+    *,
+    is_remote: Callable[[str], bool] = lambda path: False,
+    remote_opener: Callable[[str], BinaryIO] | None = None,
+) -> list[ImageSize]:
+    """`check_image_file` on every path (in threads when reading is slow); the first bad
+    file in order is raised.
+
+    Args:
+        paths: The image files.
+        max_image_pixels: The most pixels one may declare.
+        is_remote: Whether a path is remote (read with `remote_opener`).
+        remote_opener: Opens a remote path (e.g. `tf.io.gfile.GFile`).
+
+    Returns:
+        The `ImageSize` of each file, in the order of `paths`.
+
+    Raises:
+        ImageTooLargeError, ImageHeaderError, OSError: As `check_image_file`, for the
+            first file in `paths` that fails.
+
+    Example:
+
+    ```python
+    sizes = check_image_files(["a.jpg", "b.png"], DEFAULT_MAX_IMAGE_PIXELS)
+    ```
+    """
+
+    def check(chunk: Sequence[str]) -> list[ImageSize]:
+        return [
+            check_image_file(
+                path,
+                max_image_pixels,
+                opener=remote_opener if remote_opener is not None and is_remote(path) else None,
+            )
+            for path in chunk
+        ]
+
+    chunks = [paths[i : i + _FILES_PER_TASK] for i in range(0, len(paths), _FILES_PER_TASK)]
+    began = time.perf_counter()
+    sizes = check(chunks[0]) if chunks else []
+    slow = time.perf_counter() - began > _SLOW_READ_S * len(sizes)
+    if not slow or len(chunks) == 1:  # cached files: threads would contend for the GIL
+        return sizes + [size for chunk in chunks[1:] for size in check(chunk)]
+    pool = ThreadPoolExecutor(min(_THREADS, len(chunks) - 1))
+    try:
+        for future in [pool.submit(check, chunk) for chunk in chunks[1:]]:
+            sizes += future.result()  # in order: the first bad file's error
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return sizes
 
 
 def check_image_file(

@@ -10,9 +10,7 @@ import atexit
 import logging
 import os
 import re
-import sys
 import threading
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +26,9 @@ except ImportError as err:  # pragma: no cover - exercised in a subprocess test
         'installed. Install the extra with: pip install "keras-mirror-kit[wandb]"'
     ) from err
 
-from keras_mirror_kit import backends
+from keras_mirror_kit import backends, fit_hooks
 from keras_mirror_kit._version import __version__
-from keras_mirror_kit.callbacks.keras_loop import find_callback_list, steps_done
+from keras_mirror_kit.callbacks.keras_loop import steps_done
 from keras_mirror_kit.checkpoint.lock import LOCK_FILE
 from keras_mirror_kit.distribution import Distribution
 from keras_mirror_kit.model_record import distribution_of, is_chief
@@ -54,7 +52,6 @@ class _OpenRun:
 
     run: wandb.Run
     thread: int
-    callbacks: weakref.ReferenceType[Any] | None  # that fit()'s CallbackList, if found
 
 
 _open_runs: list[_OpenRun] = []
@@ -172,6 +169,7 @@ class WandbLogger(keras.callbacks.Callback):
         **init_kwargs: Any,
     ) -> None:
         super().__init__()
+        fit_hooks.install()  # any model's fit() then tells this logger when it raised
         if log_every_n_batches is not None:
             positive_int("log_every_n_batches", log_every_n_batches)
         if upload_checkpoints and checkpoint_dir is None:
@@ -317,12 +315,13 @@ class WandbLogger(keras.callbacks.Callback):
     def on_fit_exception(self, exception: BaseException) -> None:
         """Finishes the run this callback started as failed, because `fit()` raised.
 
-        Keras calls no callback when `fit()` raises. The `fit()` of a model built by the
-        kit calls this method of every callback that has it, with the exception, before
-        the exception propagates. For another model, call it yourself in an `except`
-        block; otherwise the run is finished as failed at the next `on_train_begin` of a
-        `WandbLogger`, or when the process exits. A run this callback did not start is
-        left open. Calling it when no `fit()` of this callback is under way does nothing.
+        Keras calls no callback when `fit()` raises; once a `WandbLogger` exists, `fit()`
+        calls this method of every callback that has it, with the exception, before the
+        exception propagates (`keras_mirror_kit.fit_hooks`). In a loop that drives the
+        callbacks by hand, call it yourself in an `except` block; otherwise the run is
+        finished as failed at the next `on_train_begin` of a `WandbLogger` in another
+        thread, or when the process exits. A run this callback did not start is left open.
+        Calling it when no `fit()` of this callback is under way does nothing.
 
         Args:
             exception: The exception `fit()` raised.
@@ -359,13 +358,7 @@ class WandbLogger(keras.callbacks.Callback):
 
     def _track(self, run: wandb.Run) -> None:
         """Registers `run` as open until on_train_end, for `_finish_abandoned_runs` and exit."""
-        # Called by on_train_begin, where the walk starts: that frame and the four above it.
-        callback_list = find_callback_list(self, max_frames=5)
-        self._open = _OpenRun(
-            run,
-            threading.get_ident(),
-            weakref.ref(callback_list) if callback_list is not None else None,
-        )
+        self._open = _OpenRun(run, threading.get_ident())
         with _open_runs_lock:
             _open_runs.append(self._open)
         # Registered after wandb.init(), so it runs before wandb's own exit teardown.
@@ -525,20 +518,14 @@ def _discard_staged_copies(artifact: wandb.Artifact, root: Path) -> None:
 
 
 def _fit_has_ended(record: _OpenRun) -> bool:
-    """Whether the fit() `record` was opened for is over (False when it cannot tell)."""
+    """Whether the fit() `record` was opened for is over (False when it cannot tell).
+
+    A `fit()` that raised finished its runs itself (`on_fit_exception`); what is left open
+    here belongs to an enclosing `fit()`, to callbacks driven by hand, or to a thread.
+    """
     if record.thread != threading.get_ident():  # over once that thread has gone
-        return record.thread not in sys._current_frames()
-    if record.callbacks is None:  # callbacks driven by hand: no CallbackList to look for
-        return False
-    callbacks = record.callbacks()
-    if callbacks is None:
-        return True
-    frame = sys._getframe(1)
-    while frame is not None:  # a frame holding its CallbackList: an enclosing fit()
-        if any(value is callbacks for value in frame.f_locals.values()):
-            return False
-        frame = frame.f_back
-    return True
+        return all(thread.ident != record.thread for thread in threading.enumerate())
+    return False  # an enclosing fit(), or callbacks driven by hand
 
 
 def _untrack(record: _OpenRun) -> None:

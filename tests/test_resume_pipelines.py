@@ -1,0 +1,200 @@
+"""Exact resume through the pipelines users write on a kit dataset (issue 34).
+
+`fit(train_ds.map(f).prefetch(n))`: the kit dataset is found upstream of what `fit` got,
+with `SyncedCheckpoint(dataset=train_ds)` or without `dataset=`, and a run stopped
+mid-epoch resumes to the uninterrupted run's weights. Steps that cannot resume exactly
+(`.cache()`, an unordered map) are refused with `dataset=`, and resume at epoch boundaries
+without it; a map that draws from shared random state is warned about (`strict`: refused).
+The same 2-replica job as tests/test_synced_checkpoint.py: 6 batches an epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
+from tests.ckpt_helpers import CountBatches, StopAt, build, data, dataset, max_diff
+
+EPOCHS = 3
+
+
+def double(x, y):
+    return x * 2.0 - 0.5, y
+
+
+def mapped(ds):
+    return ds.map(double, num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
+
+
+def run(directory, given, crash_at=None, seed=3):
+    """One fit() of the mapped pipeline; `given`: what `dataset=` is ("none", "kit", ...)."""
+    model, ds = build("sgd", seed=seed), dataset()
+    if given == "prefetched":  # dataset= a kit dataset followed by a prefetch
+        ds = ds.prefetch(1)
+    options = {} if given == "none" else {"dataset": ds}
+    checkpoint, counter = SyncedCheckpoint(directory, save_freq=2, **options), CountBatches()
+    callbacks = [checkpoint, counter] + ([StopAt(*crash_at)] if crash_at else [])
+    model.fit(mapped(ds), epochs=EPOCHS, verbose=0, callbacks=callbacks)
+    return model, checkpoint, counter
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("given", ["none", "kit", "prefetched"])
+def test_a_map_and_prefetch_after_the_kit_dataset_resume_mid_epoch_exactly(given, tmp_path):
+    reference, _, _ = run(tmp_path / "reference", given)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "run", given, crash_at=(1, 3))  # newest checkpoint: epoch 1, batch 4
+    model, checkpoint, counter = run(tmp_path / "run", given, seed=99)
+    assert (checkpoint.last_restored.meta["epoch"], checkpoint.last_restored.meta["step"]) == (
+        1,
+        4,
+    )
+    assert counter.batches == 2 + 6  # the rest of epoch 1, then epoch 2
+    assert int(model.optimizer.iterations.numpy()) == EPOCHS * 6
+    assert max_diff(reference.get_weights(), model.get_weights()) <= 1e-6
+
+
+def test_cache_after_the_given_dataset_is_refused_before_any_step_naming_it(tmp_path):
+    ds, counter = dataset(), CountBatches()
+    with pytest.raises(
+        ValueError, match=r"cache\(\) replays .*drop cache\(\).*No step"
+    ) as refused:
+        build("sgd").fit(
+            ds.map(double).cache(),
+            epochs=2,
+            verbose=0,
+            callbacks=[SyncedCheckpoint(tmp_path, dataset=ds), counter],
+        )
+    assert "kit dataset -> map -> cache" in str(refused.value)
+    assert counter.batches == 0
+    with pytest.raises(ValueError, match=r"followed by maps and prefetches.*cache\(\) replays"):
+        SyncedCheckpoint(tmp_path, dataset=ds.cache())
+
+
+def test_an_unordered_map_after_the_given_dataset_is_refused_before_any_step(tmp_path):
+    ds, counter = dataset(), CountBatches()
+    unordered = ds.map(double, num_parallel_calls=2, deterministic=False)
+    with pytest.raises(ValueError, match=r"parallel_map\(\.\.\., deterministic=False\)"):
+        build("sgd").fit(
+            unordered,
+            epochs=2,
+            verbose=0,
+            callbacks=[SyncedCheckpoint(tmp_path, dataset=ds), counter],
+        )
+    assert counter.batches == 0
+
+
+@pytest.mark.slow
+def test_cache_without_dataset_resumes_at_the_epoch_boundary_and_says_why(tmp_path, caplog):
+    def cached(directory, crash_at=None, seed=3):
+        counter = CountBatches()
+        callbacks = [SyncedCheckpoint(directory, save_freq=2), counter]
+        model = build("sgd", seed=seed)
+        model.fit(
+            dataset().cache(),
+            epochs=EPOCHS,
+            verbose=0,
+            callbacks=callbacks + ([StopAt(*crash_at)] if crash_at else []),
+        )
+        return counter
+
+    with pytest.raises(KeyboardInterrupt):
+        cached(tmp_path, crash_at=(1, 3))
+    with caplog.at_level(logging.INFO, logger="keras_mirror_kit"):
+        counter = cached(tmp_path, seed=99)
+    assert counter.batches == 2 * 6  # epoch 1 again from its start, then epoch 2
+    assert "resumes at epoch boundaries: fit() trains on cache after a kit dataset" in caplog.text
+
+
+def noisy(x, y):
+    return x + tf.random.uniform(tf.shape(x)), y
+
+
+_GENERATORS: list[keras.random.SeedGenerator] = []  # made at the first call, not on import
+
+
+def keras_noisy(x, y):
+    if not _GENERATORS:
+        _GENERATORS.append(keras.random.SeedGenerator(1))
+    return x + keras.random.normal(tf.shape(x), seed=_GENERATORS[0]), y
+
+
+@pytest.mark.parametrize("function, op", [(noisy, "RandomUniform"), (keras_noisy, "Assign")])
+def test_a_map_with_shared_random_state_is_warned_about_or_refused_with_strict(
+    function, op, tmp_path, caplog
+):
+    ds = dataset()
+    with caplog.at_level(logging.WARNING, logger="keras_mirror_kit"):
+        build("sgd").fit(
+            ds.map(function), epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path / "a")]
+        )
+    warned = [r.getMessage() for r in caplog.records if "after the kit dataset" in r.getMessage()]
+    assert len(warned) == 1 and op in warned[0] and function.__name__ in warned[0]
+    assert "make_dataset(preprocess=...)" in warned[0]
+
+    counter = CountBatches()
+    with pytest.raises(ValueError, match=rf"\.map\({function.__name__}\).*strict=True"):
+        build("sgd").fit(
+            ds.map(function),
+            epochs=1,
+            verbose=0,
+            callbacks=[SyncedCheckpoint(tmp_path / "b", strict=True), counter],
+        )
+    assert counter.batches == 0
+
+
+# -- arrays as Keras takes them: fit(x, y, batch_size, validation_split, shuffle) ---------
+
+
+def fit_arrays(directory, shuffle=True, crash_at=None, seed=3, checkpoint=True):
+    """72 training samples (4 batches of 16, one of 8) and Keras' last 24 to validate."""
+    model, (x, y), counter = build("sgd", seed=seed), data(), CountBatches()
+    synced = SyncedCheckpoint(directory, save_freq=2) if checkpoint else None
+    callbacks = [
+        counter,
+        *([synced] if synced else []),
+        *([StopAt(*crash_at)] if crash_at else []),
+    ]
+    history = model.fit(
+        x,
+        y,
+        batch_size=16,
+        validation_split=0.25,
+        shuffle=shuffle,
+        epochs=EPOCHS,
+        verbose=0,
+        callbacks=callbacks,
+    )
+    return model, history, counter, synced
+
+
+@pytest.mark.slow
+def test_arrays_with_validation_split_and_shuffle_resume_mid_epoch_exactly(tmp_path):
+    reference, reference_history, counted, _ = fit_arrays(tmp_path / "reference")
+    assert counted.batches == EPOCHS * 5
+    with pytest.raises(KeyboardInterrupt):
+        fit_arrays(tmp_path / "run", crash_at=(1, 2))
+    model, history, counter, checkpoint = fit_arrays(tmp_path / "run", seed=99)
+    restored = checkpoint.last_restored.meta
+    assert restored["epoch"] == 1 and restored["step"] > 0  # mid-epoch, not a boundary
+    assert counter.batches == (5 - restored["step"]) + 5
+    assert max_diff(reference.get_weights(), model.get_weights()) <= 1e-6
+    assert history.history["val_loss"][-1] == pytest.approx(
+        reference_history.history["val_loss"][-1], abs=1e-6
+    )
+
+
+@pytest.mark.slow
+def test_arrays_through_the_kit_train_and_validate_as_keras_own_fit(tmp_path):
+    # shuffle=False: the kit's order is the arrays' order, Keras' too, so the runs agree.
+    kit, kit_history, _, _ = fit_arrays(tmp_path / "kit", shuffle=False)
+    keras_own, keras_history, _, _ = fit_arrays(tmp_path / "k", shuffle=False, checkpoint=False)
+    assert max_diff(kit.get_weights(), keras_own.get_weights()) <= 1e-6
+    np.testing.assert_allclose(
+        kit_history.history["val_loss"], keras_history.history["val_loss"], atol=1e-6
+    )
