@@ -149,8 +149,8 @@ def dispatch(model: Any, callbacks: Any, x: Any, run: Callable[[Any], R]) -> R:
 
     Orders the callbacks (producers of logs first), lets each check `x` and arrange the
     list, then calls `run` with the callbacks to give Keras (a `CallbackList` given by the
-    user is arranged in place and put back afterwards); `on_fit_exception` if it raises,
-    `on_fit_end` in any case.
+    user is arranged in place and put back afterwards); `on_fit_exception` if a check or
+    `run` raises, `on_fit_end` in any case.
     """
     if not any(_takes_part(c) for c in listed(callbacks)):
         token = _dispatched.set(model)
@@ -159,20 +159,21 @@ def dispatch(model: Any, callbacks: Any, x: Any, run: Callable[[Any], R]) -> R:
         finally:
             _dispatched.reset(token)
     callbacks = order_callbacks(callbacks)
-    for callback in listed(callbacks):
-        hook = _hook(callback, "check_fit_data")
-        if hook is not None:
-            hook(x)
     given_list = callbacks if isinstance(callbacks, keras.callbacks.CallbackList) else None
     before = list(given_list.callbacks) if given_list is not None else []
-    arranged = _arranged(listed(callbacks))
-    if given_list is not None:  # Keras uses it as it is: no set_model for what was added
-        for callback in arranged:
-            if not any(callback is c for c in before):
-                callback.set_model(model)
-        given_list.callbacks = arranged
+    arranged = listed(callbacks)
     token = _dispatched.set(model)
     try:
+        for callback in arranged:
+            hook = _hook(callback, "check_fit_data")
+            if hook is not None:
+                hook(x)
+        arranged = _arranged(arranged)
+        if given_list is not None:  # Keras uses it as it is: no set_model for what was added
+            for callback in arranged:
+                if not any(callback is c for c in before):
+                    callback.set_model(model)
+            given_list.callbacks = arranged
         return run(given_list if given_list is not None else arranged)
     except BaseException as exception:  # Ctrl-C too: Keras' fit has no finally
         notify_fit_exception(arranged, exception)

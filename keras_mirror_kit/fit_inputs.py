@@ -24,6 +24,7 @@ exactly.
 from __future__ import annotations
 
 import math
+import random
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -229,6 +230,8 @@ def _method_name(node: Any) -> str:
 
 def _unordered(node: Any, top: Any) -> bool:
     """Whether a map node hands on its results as they are ready (deterministic=False)."""
+    if type(node).__name__ != "_ParallelMapDataset":
+        return False  # a sequential map keeps the order, whatever the options say
     flag = getattr(node, "_deterministic", "default")
     if flag == "default":
         options = top.options() if hasattr(top, "options") else None
@@ -457,13 +460,36 @@ def check_input(x: Any, dist: Distribution, method: str, argument: str = "x") ->
         )
 
 
-def _split_at_end(arrays: Any, split: float) -> tuple[Any, Any]:
-    """Keras' `validation_split` cut: the first part trains, the last `split` validates."""
-    at = _array_epoch_samples(arrays, split)
-    return (
-        keras.tree.map_structure(lambda a: a[:at], arrays),
-        keras.tree.map_structure(lambda a: a[at:], arrays),
+def _dense_arrays(data: Any) -> bool:
+    """Whether `data` is one dense array (NumPy, tensor) or a dict of them (no list, no table)."""
+    tf = tensorflow_if_imported()
+    leaves = list(data.values()) if isinstance(data, dict) else [data]
+    dense = (np.ndarray,) if tf is None else (np.ndarray, tf.Tensor)
+    return bool(leaves) and all(
+        isinstance(leaf, dense) and not isinstance(leaf, np.ma.MaskedArray) and leaf.ndim > 0
+        for leaf in leaves
     )
+
+
+def _floatx(data: Any) -> Any:
+    """float64 arrays as Keras' floatx, as Keras' array adapter gives them to the model."""
+    floatx = keras.config.floatx()
+
+    def cast(leaf: Any) -> Any:
+        if isinstance(leaf, np.ndarray) and leaf.dtype == np.float64 and floatx != "float64":
+            return leaf.astype(floatx)
+        return leaf
+
+    return {k: cast(v) for k, v in data.items()} if isinstance(data, dict) else cast(data)
+
+
+def _split_at_end(data: Any, at: int) -> tuple[Any, Any]:
+    """`data` cut at sample `at` (Keras' `validation_split`: the first part trains)."""
+    if data is None:
+        return None, None
+    if isinstance(data, dict):
+        return {k: v[:at] for k, v in data.items()}, {k: v[at:] for k, v in data.items()}
+    return data[:at], data[at:]
 
 
 def arrays_as_dataset(given: dict[str, Any], dist: Distribution) -> bool:
@@ -474,31 +500,38 @@ def arrays_as_dataset(given: dict[str, Any], dist: Distribution) -> bool:
     `make_dataset(x, y, batch_size, shuffle=shuffle, drop_remainder=False)`: the same
     samples every epoch, the last partial batch kept, shuffled by a permutation keyed on
     (seed, epoch) that a resumed run computes again (Keras draws a new one in each `fit`);
-    the seed comes from NumPy's global generator, as Keras' shuffle does.
-    Left as given: `sample_weight`, `shuffle="batch"`, `steps_per_epoch`, several workers
-    (the workers would need one seed), data that is not arrays. Returns whether it did.
+    the seed comes from Python's `random` (`keras.utils.set_random_seed` seeds it), and
+    float64 arrays become Keras' floatx, as Keras' array adapter does. Left as given:
+    anything but one dense array or a dict of them for `x` and `y` (lists of inputs,
+    tables, sparse or ragged tensors), `sample_weight`, `shuffle="batch"`,
+    `steps_per_epoch`, a split that leaves either part empty (Keras says so), several
+    workers (the workers would need one seed). Returns whether it did.
     """
     x, y = given.get("x"), given.get("y")
     shuffle = given.get("shuffle", True)
     if (
-        not is_array_data(x)
-        or (y is not None and not is_array_data(y))
+        not _dense_arrays(x)
+        or (y is not None and not _dense_arrays(y))
         or given.get("sample_weight") is not None
         or given.get("steps_per_epoch")
         or shuffle not in (True, False)
         or dist.num_workers > 1
     ):
         return False
+    samples = _num_samples(x)
+    split = given.get("validation_split") or 0.0
+    at = _array_epoch_samples(x, split) if split and given.get("validation_data") is None else 0
+    if split and given.get("validation_data") is None and not 0 < at < samples:
+        return False  # Keras' own error: not enough samples to split
     from keras_mirror_kit.data.pipeline import make_dataset  # imports TensorFlow
 
-    split = given.get("validation_split") or 0.0
-    if split and given.get("validation_data") is None:
-        (x, y), validation = _split_at_end((x, y), split)
-        given["validation_data"] = validation if y is not None else validation[:1]
+    x, y = _floatx(x), None if y is None else _floatx(y)
+    if at:
+        (x, x_val), (y, y_val) = _split_at_end(x, at), _split_at_end(y, at)
+        given["validation_data"] = (x_val, y_val) if y is not None else (x_val,)
     batch_size = int(given.get("batch_size") or dist.global_batch_size)
-    # Drawn as Keras' own shuffle draws (keras.utils.set_random_seed makes it repeatable);
-    # not the user's choice, so a resumed run takes the checkpoint's seed instead.
-    seed = int(np.random.randint(0, 2**31 - 1))
+    # Not the user's choice, so a resumed run takes the checkpoint's seed instead.
+    seed = random.randrange(2**31 - 1)
     dataset = make_dataset(
         x, y, batch_size, shuffle=bool(shuffle), seed=seed, drop_remainder=False
     )

@@ -240,7 +240,7 @@ def fit_on_another_dataset_than_the_checkpoints(tmp: Path):
 
 def checkpoint_dataset_with_steps_per_epoch():
     ds = kmk.make_dataset(X, Y, 16, seed=0)
-    fit(kit_model(), [kmk.SyncedCheckpoint("c", dataset=ds)], steps_per_epoch=2, data=ds.repeat())
+    fit(kit_model(), [kmk.SyncedCheckpoint("c", dataset=ds)], steps_per_epoch=2, data=ds)
 
 
 def restore_false_over_old_checkpoints(tmp: Path):

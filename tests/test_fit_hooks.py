@@ -215,3 +215,16 @@ def test_a_throughput_monitor_listed_last_runs_first_for_a_plain_model():
         callbacks=[logger, kmk.ThroughputMonitor(global_batch_size=8, warmup_steps=0)],
     )
     assert "samples_per_sec" in logger.keys
+
+
+class Refuses(keras.callbacks.Callback):
+    def check_fit_data(self, x: Any) -> None:
+        raise ValueError("refused before any step")
+
+
+def test_a_refusing_check_still_ends_the_hooks_of_the_fit():
+    x, y = arrays()
+    records = Records()
+    with pytest.raises(ValueError, match="refused before any step"):
+        plain_model().fit(x, y, epochs=1, verbose=0, callbacks=[records, Refuses()])
+    assert [e[0] for e in records.events] == ["check", "exception", "end"]

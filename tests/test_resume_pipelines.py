@@ -198,3 +198,78 @@ def test_arrays_through_the_kit_train_and_validate_as_keras_own_fit(tmp_path):
     np.testing.assert_allclose(
         kit_history.history["val_loss"], keras_history.history["val_loss"], atol=1e-6
     )
+
+
+@pytest.mark.parametrize(
+    "steps, named",
+    [
+        (lambda ds: ds.shuffle(3), "shuffle"),
+        (lambda ds: ds.repeat(), "repeat"),
+        (lambda ds: ds.filter(lambda x, y: True), "filter"),
+    ],
+)
+def test_steps_that_reorder_or_repeat_the_given_dataset_are_refused(steps, named, tmp_path):
+    ds, counter = dataset(), CountBatches()
+    with pytest.raises(ValueError, match=rf"{named} after it.*No step was trained"):
+        build("sgd").fit(
+            steps(ds),
+            epochs=1,
+            steps_per_epoch=6,
+            verbose=0,
+            callbacks=[SyncedCheckpoint(tmp_path, dataset=ds), counter],
+        )
+    assert counter.batches == 0
+
+
+def test_a_sequential_map_under_unordered_options_keeps_its_order(tmp_path):
+    options = tf.data.Options()
+    options.deterministic = False
+    ds = dataset()
+    pipeline = ds.map(double).with_options(options)
+    from keras_mirror_kit.fit_inputs import kit_pipeline
+
+    found = kit_pipeline(pipeline)
+    assert found.exact and found.breaks is None
+    unordered = kit_pipeline(ds.map(double, num_parallel_calls=2).with_options(options))
+    assert not unordered.exact and "deterministic=False" in unordered.breaks
+
+
+def _given(**arguments):
+    from keras_mirror_kit.model_record import distribution_of
+
+    return arguments, distribution_of(build("sgd"))  # 2 replicas, global batch 16
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"x": [data()[0], data()[0]], "y": data()[1]},  # two inputs
+        {"x": data()[0], "y": [data()[1], data()[1]]},  # two outputs
+        {"x": data()[0], "y": data()[1], "sample_weight": np.ones(96)},
+        {"x": data()[0], "y": data()[1], "shuffle": "batch"},
+        {"x": data()[0], "y": data()[1], "steps_per_epoch": 3},
+        {"x": data()[0][:1], "y": data()[1][:1], "validation_split": 0.5},  # Keras refuses
+    ],
+    ids=["inputs", "outputs", "sample_weight", "batch-shuffle", "steps", "too-few"],
+)
+def test_arrays_the_kit_cannot_stand_in_for_are_left_to_keras(arguments):
+    from keras_mirror_kit.fit_inputs import arrays_as_dataset
+
+    given, dist = _given(**arguments)
+    before = dict(given)
+    assert not arrays_as_dataset(given, dist)
+    assert given == before
+
+
+def test_arrays_become_a_kit_dataset_of_keras_split_in_floatx():
+    from keras_mirror_kit import cursor_of
+    from keras_mirror_kit.fit_inputs import arrays_as_dataset
+
+    x, y = data()
+    given, dist = _given(x=x.astype("float64"), y=None, validation_split=0.25, batch_size=8)
+    assert arrays_as_dataset(given, dist)
+    assert set(given) == {"x", "validation_data", "validation_batch_size", "shuffle"}
+    (x_val,) = given["validation_data"]
+    np.testing.assert_array_equal(x_val, x[72:].astype("float32"))  # the last quarter
+    assert cursor_of(given["x"]).num_batches == 9 and not cursor_of(given["x"]).seed_given
+    assert given["x"].element_spec.dtype == tf.float32 and given["validation_batch_size"] == 8

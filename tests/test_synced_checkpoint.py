@@ -364,7 +364,7 @@ def test_dataset_with_steps_per_epoch_is_rejected_before_training(tmp_path):
     model, ds = build("sgd"), dataset()
     with pytest.raises(ValueError, match="steps_per_epoch=3"):
         model.fit(
-            ds.repeat(),
+            ds,
             epochs=1,
             steps_per_epoch=3,
             verbose=0,

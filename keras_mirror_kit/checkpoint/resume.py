@@ -20,7 +20,7 @@ from keras_mirror_kit import backends
 from keras_mirror_kit.checkpoint.meta import CheckpointMeta, DataDescription
 from keras_mirror_kit.checkpoint.state import apply_state
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
-from keras_mirror_kit.fit_inputs import KitPipeline, dataset_cursor, kit_pipeline
+from keras_mirror_kit.fit_inputs import KitPipeline, kit_pipeline
 from keras_mirror_kit.model_record import distribution_of
 
 if TYPE_CHECKING:  # data.cursor imports TensorFlow: not for a JAX-only install
@@ -455,10 +455,9 @@ def check_fit_dataset(cursor: DatasetCursor | None, x: Any, strict: bool = False
             return None
         _check_maps(pipeline, strict)
         return pipeline.cursor
-    found = dataset_cursor(x)
-    if found is not None and found is not cursor:
+    if pipeline is not None and pipeline.cursor is not cursor:
         raise other_dataset_error(cursor, "fit() was given another kmk.make_dataset object")
-    if pipeline is None or pipeline.cursor is not cursor:
+    if pipeline is None:
         return cursor  # a generator or a zip over it, say: checked at the first batch end
     received = f"Received: x={type(x).__name__} ({' -> '.join(['kit dataset', *pipeline.steps])})"
     if pipeline.breaks:
@@ -467,15 +466,17 @@ def check_fit_dataset(cursor: DatasetCursor | None, x: Any, strict: bool = False
             f"that cannot resume mid-epoch exactly: {pipeline.breaks}. Or leave out dataset= "
             f"(the checkpoints then resume at epoch boundaries). No step was trained. {received}"
         )
-    if found is None:
+    if not pipeline.exact:
         raise ValueError(
             "fit() was given a pipeline built on the dataset of SyncedCheckpoint(dataset=...): "
             f"{' -> '.join(pipeline.steps)} after it. A checkpoint saves the kit dataset's "
-            "position, and these steps change which batches an epoch holds, so the kit "
-            "cannot resume that pipeline exactly. Map and prefetch after the kit dataset as "
-            "you like; do the batching in the kit dataset (make_dataset(..., batch_size), its "
-            "preprocess=, or augment= for a folder's training subset), or leave out dataset= "
-            f"(the checkpoints then resume at epoch boundaries). No step was trained. {received}"
+            "position, and these steps change which batches an epoch holds or their order, "
+            "so the kit cannot resume that pipeline exactly. Map and prefetch after the kit "
+            "dataset as you like; do the batching and shuffling in the kit dataset "
+            "(make_dataset(..., batch_size, seed=...), its preprocess=, or augment= for a "
+            "folder's training subset; it repeats every epoch by itself), or leave out "
+            f"dataset= (the checkpoints then resume at epoch boundaries). No step was trained. "
+            f"{received}"
         )
     _check_maps(pipeline, strict)
     return cursor

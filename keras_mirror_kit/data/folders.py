@@ -33,17 +33,15 @@ from keras_mirror_kit.data.augment import (
     describe,
     fold_key,
 )
-from keras_mirror_kit.data.cursor import DatasetCursor
 from keras_mirror_kit.data.image_headers import (
     DEFAULT_MAX_IMAGE_PIXELS,
     check_image_files,
     check_link_loops,
 )
-from keras_mirror_kit.data.info import DatasetInfo
 from keras_mirror_kit.data.pipeline import (
-    _num_batches,
-    _placement,
     check_batch_function,
+    check_placement,
+    epoch_info,
     finish_dataset,
     multi_worker_expected,
     resolve_seed,
@@ -129,27 +127,18 @@ def _folder_dataset(
     `load` in a `map_fn` (the batches in a parallel, deterministic map); `make_dataset(
     paths, labels, load=load)` gives the same batches, at a tf.data element per file."""
     batch_size = positive_int("batch_size", batch_size)
-    placement = _placement(preprocess, preprocess_on)
+    placement = check_placement(preprocess, preprocess_on)
     strict = check_bool("strict", strict)
     seed, seed_given = resolve_seed(seed, shuffle, "image_dataset_from_directory")
     drop = shuffle if drop_remainder is None else bool(drop_remainder)
     n = len(paths)
-    num_batches = _num_batches(n, batch_size, drop)
-    cursor = DatasetCursor(num_batches, seed=seed, seed_given=seed_given, num_samples=n)
-    whole = None
-    if num_batches * batch_size < n and drop:  # what evaluation iterates: every sample
-        whole = functools.partial(
-            _folder_dataset, paths, labels, batch_size, shuffle=shuffle, seed=seed,
-            load=load, crop=crop, shapes=shapes, label_map=label_map, drop_remainder=False,
-            preprocess=preprocess, preprocess_on=preprocess_on, strict=strict,
-        )  # fmt: skip
-    info = DatasetInfo(
-        cursor,
-        batch_size,
-        epoch_samples=n if not drop else num_batches * batch_size,
-        preprocess_on=placement,
-        whole=whole,
-    )
+    whole = functools.partial(
+        _folder_dataset, paths, labels, batch_size, shuffle=shuffle, seed=seed,
+        load=load, crop=crop, shapes=shapes, label_map=label_map, drop_remainder=False,
+        preprocess=preprocess, preprocess_on=preprocess_on, strict=strict,
+    )  # fmt: skip
+    info = epoch_info(n, batch_size, drop, seed, seed_given, placement, whole)
+    cursor, num_batches = info.cursor, info.cursor.num_batches
     part = worker_slice()
     record_part(cursor, part)
     items = to_tensors(np.asarray(paths, dtype=str))

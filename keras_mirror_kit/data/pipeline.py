@@ -43,6 +43,9 @@ from keras_mirror_kit.validation import check_bool, non_negative_int, positive_i
 __all__ = [
     "build_dataset",
     "check_batch_function",
+    "check_batch_size",
+    "check_placement",
+    "epoch_info",
     "finish_dataset",
     "make_dataset",
     "multi_worker_expected",
@@ -209,8 +212,8 @@ def build_dataset(
     label_map: Callable[[Any], Any] | None = None,
 ) -> tf.data.Dataset:
     """`make_dataset`, plus `label_map` (applied to each batch of labels of a `load` source)."""
-    batch_size = _check_batch_size(batch_size)
-    placement = _placement(preprocess, preprocess_on)
+    batch_size = check_batch_size(batch_size)
+    placement = check_placement(preprocess, preprocess_on)
     if load is not None and not callable(load):
         raise TypeError(f"`load` must be callable. Received: load={load!r}")
     strict = check_bool("strict", strict)
@@ -229,22 +232,13 @@ def build_dataset(
     labels = None if y is None else to_tensors(y, "y")
     tensors = (features,) if labels is None else (features, labels)
     n = _num_samples(tensors)
-    num_batches = _num_batches(n, batch_size, drop)
-    cursor = DatasetCursor(num_batches, seed=seed, seed_given=seed_given, num_samples=n)
-    whole = None
-    if num_batches * batch_size < n and drop:  # what evaluation iterates: every sample
-        whole = functools.partial(
-            build_dataset, x, y, batch_size, shuffle=shuffle, seed=seed,
-            preprocess=preprocess, preprocess_on=preprocess_on, drop_remainder=False,
-            prefetch=prefetch, load=load, strict=strict, label_map=label_map,
-        )  # fmt: skip
-    info = DatasetInfo(
-        cursor,
-        batch_size,
-        epoch_samples=n if not drop else num_batches * batch_size,
-        preprocess_on=placement,
-        whole=whole,
-    )
+    whole = functools.partial(
+        build_dataset, x, y, batch_size, shuffle=shuffle, seed=seed,
+        preprocess=preprocess, preprocess_on=preprocess_on, drop_remainder=False,
+        prefetch=prefetch, load=load, strict=strict, label_map=label_map,
+    )  # fmt: skip
+    info = epoch_info(n, batch_size, drop, seed, seed_given, placement, whole)
+    cursor, num_batches = info.cursor, info.cursor.num_batches
     if load is not None:
         part = worker_slice()
         record_part(cursor, part)
@@ -338,7 +332,8 @@ def finish_dataset(
     return build(preprocess, dataclasses.replace(info, variant=variant))
 
 
-def _check_batch_size(batch_size: Any) -> int:
+def check_batch_size(batch_size: Any) -> int:
+    """`batch_size` checked: a positive integer (`TypeError` for None, with what to pass)."""
     if batch_size is None:
         raise TypeError(
             "make_dataset() needs `batch_size` (the global batch size, e.g. "
@@ -347,7 +342,7 @@ def _check_batch_size(batch_size: Any) -> int:
     return positive_int("batch_size", batch_size)
 
 
-def _placement(preprocess: Any, preprocess_on: str) -> str | None:
+def check_placement(preprocess: Any, preprocess_on: str) -> str | None:
     """Where `preprocess` runs for kit-built models: "replica", "host" or None (none given)."""
     if preprocess is not None:
         check_batch_function(preprocess, "preprocess")
@@ -418,6 +413,29 @@ def _num_samples(arrays: tuple[Any, ...]) -> int:
     if n == 0:
         raise ValueError("make_dataset() received empty arrays. Received: len(x)=0")
     return n
+
+
+def epoch_info(
+    n: int,
+    batch_size: int,
+    drop: bool,
+    seed: int,
+    seed_given: bool,
+    placement: str | None,
+    whole: Callable[[], Any] | None = None,
+) -> DatasetInfo:
+    """The `DatasetInfo` (and new cursor) of a kit dataset of `n` samples in batches;
+    `whole` builds it keeping its last partial batch, kept when this one drops it."""
+    num_batches = _num_batches(n, batch_size, drop)
+    cursor = DatasetCursor(num_batches, seed=seed, seed_given=seed_given, num_samples=n)
+    drops_some = drop and num_batches * batch_size < n  # evaluation iterates `whole`
+    return DatasetInfo(
+        cursor,
+        batch_size,
+        epoch_samples=num_batches * batch_size if drop else n,
+        preprocess_on=placement,
+        whole=whole if drops_some else None,
+    )
 
 
 def _num_batches(n: int, batch_size: int, drop: bool) -> int:

@@ -32,11 +32,10 @@ import tensorflow as tf
 
 from keras_mirror_kit.data.augment import fold_key
 from keras_mirror_kit.data.cursor import DatasetCursor
-from keras_mirror_kit.data.info import DatasetInfo
 from keras_mirror_kit.data.pipeline import (
-    _check_batch_size,
-    _num_batches,
-    _placement,
+    check_batch_size,
+    check_placement,
+    epoch_info,
     finish_dataset,
     resolve_seed,
 )
@@ -323,8 +322,8 @@ def tfrecord_dataset(
                                     dist.global_batch_size, seed=0)
     ```
     """
-    batch_size = _check_batch_size(batch_size)
-    placement = _placement(preprocess, preprocess_on)
+    batch_size = check_batch_size(batch_size)
+    placement = check_placement(preprocess, preprocess_on)
     if not callable(parse):
         raise TypeError(f"`parse` must be callable. Received: parse={parse!r}")
     strict = check_bool("strict", strict)
@@ -337,14 +336,8 @@ def tfrecord_dataset(
         raise ValueError(f"The TFRecord files hold no record. Received: files={paths!r}")
     seed, seed_given = resolve_seed(seed, shuffle, "tfrecord_dataset")
     drop = shuffle if drop_remainder is None else bool(drop_remainder)
-    num_batches = _num_batches(total, batch_size, drop)
-    cursor = DatasetCursor(num_batches, seed=seed, seed_given=seed_given, num_samples=total)
-    info = DatasetInfo(
-        cursor,
-        batch_size,
-        epoch_samples=total if not drop else num_batches * batch_size,
-        preprocess_on=placement,
-    )
+    info = epoch_info(total, batch_size, drop, seed, seed_given, placement)
+    cursor, num_batches = info.cursor, info.cursor.num_batches
     has_y = _parse_gives_labels(parse)
     part = worker_slice()
     record_part(cursor, part)
