@@ -125,11 +125,15 @@ def check_replicas(model: Any, variables: list[tuple[str, Any]], atol: float) ->
 
 
 def log_batch_norm_gap(gap: float) -> None:
-    """Logs that unsynchronised BatchNormalization statistics differ between replicas."""
-    logger.info(
+    """Warns that unsynchronised BatchNormalization statistics differ between replicas."""
+    logger.warning(
         "keras-mirror-kit: BatchNormalization moving statistics differ between "
-        "replicas (max |diff| %.3g), as expected without synchronized statistics; "
-        "replica 0's are saved. Use BatchNormalization(synchronized=True) to keep "
-        "them equal.",
+        "replicas (max |diff| %.3g), as expected without synchronized statistics: each "
+        "replica evaluates and predicts its part of a batch with its own copy, and "
+        "replica 0's are saved, so a resumed run starts every replica from them and its "
+        "validation is no longer the uninterrupted run's. Build the model with "
+        "kmk.distributed(..., sync_batch_norm=True) (or BatchNormalization("
+        "synchronized=True)) for the statistics of the global batch, equal on every "
+        "replica, and an exact resume.",
         gap,
     )
