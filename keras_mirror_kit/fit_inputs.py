@@ -471,25 +471,17 @@ def _dense_arrays(data: Any) -> bool:
     )
 
 
-def _floatx(data: Any) -> Any:
-    """float64 arrays as Keras' floatx, as Keras' array adapter gives them to the model."""
+def _each(data: Any, function: Any) -> Any:
+    """`function` of one array, or of each array of a dict of them."""
+    return {k: function(v) for k, v in data.items()} if isinstance(data, dict) else function(data)
+
+
+def _floatx(leaf: Any) -> Any:
+    """A float64 array as Keras' floatx, as Keras' array adapter gives it to the model."""
     floatx = keras.config.floatx()
-
-    def cast(leaf: Any) -> Any:
-        if isinstance(leaf, np.ndarray) and leaf.dtype == np.float64 and floatx != "float64":
-            return leaf.astype(floatx)
-        return leaf
-
-    return {k: cast(v) for k, v in data.items()} if isinstance(data, dict) else cast(data)
-
-
-def _split_at_end(data: Any, at: int) -> tuple[Any, Any]:
-    """`data` cut at sample `at` (Keras' `validation_split`: the first part trains)."""
-    if data is None:
-        return None, None
-    if isinstance(data, dict):
-        return {k: v[:at] for k, v in data.items()}, {k: v[at:] for k, v in data.items()}
-    return data[:at], data[at:]
+    if isinstance(leaf, np.ndarray) and leaf.dtype == np.float64 and floatx != "float64":
+        return leaf.astype(floatx)
+    return leaf
 
 
 def arrays_as_dataset(given: dict[str, Any], dist: Distribution) -> bool:
@@ -518,17 +510,20 @@ def arrays_as_dataset(given: dict[str, Any], dist: Distribution) -> bool:
         or dist.num_workers > 1
     ):
         return False
-    samples = _num_samples(x)
-    split = given.get("validation_split") or 0.0
-    at = _array_epoch_samples(x, split) if split and given.get("validation_data") is None else 0
-    if split and given.get("validation_data") is None and not 0 < at < samples:
+    split = given.get("validation_split") if given.get("validation_data") is None else None
+    at = _array_epoch_samples(x, split) if split else 0
+    if split and not 0 < at < _num_samples(x):
         return False  # Keras' own error: not enough samples to split
     from keras_mirror_kit.data.pipeline import make_dataset  # imports TensorFlow
 
-    x, y = _floatx(x), None if y is None else _floatx(y)
-    if at:
-        (x, x_val), (y, y_val) = _split_at_end(x, at), _split_at_end(y, at)
-        given["validation_data"] = (x_val, y_val) if y is not None else (x_val,)
+    x, y = _each(x, _floatx), None if y is None else _each(y, _floatx)
+    if at:  # Keras' cut: the first part trains, the last validates
+        x, x_val = _each(x, lambda a: a[:at]), _each(x, lambda a: a[at:])
+        if y is None:
+            given["validation_data"] = (x_val,)
+        else:
+            y, y_val = _each(y, lambda a: a[:at]), _each(y, lambda a: a[at:])
+            given["validation_data"] = (x_val, y_val)
     batch_size = int(given.get("batch_size") or dist.global_batch_size)
     # Not the user's choice, so a resumed run takes the checkpoint's seed instead.
     seed = random.randrange(2**31 - 1)

@@ -145,7 +145,7 @@ def install(model: Any, dist: Distribution) -> None:
             check_step_arguments(model, **{name: given.get(name) for name in _steps})
             if is_array_data(given.get("x")) and not given.get("batch_size"):
                 given["batch_size"] = dist.global_batch_size  # not Keras' default of 32
-            if "callbacks" in given:
+            if "callbacks" in given and _method != "fit":  # fit's: ordered by dispatch
                 given["callbacks"] = order_callbacks(given["callbacks"])
             if backend.SHARDS_EACH_BATCH:
                 check_even_batches(given, dist, _method)

@@ -222,14 +222,11 @@ class RandomCropFlip:
     `image_dataset_from_directory(augment=)`, `decode_batch(...)` from the files.
     """
 
-    def __init__(self, crop_fraction: float | tuple[float, float], flip: str | None) -> None:
-        low, high = (
-            (crop_fraction, crop_fraction)
-            if isinstance(crop_fraction, (int, float))
-            else tuple(crop_fraction)
-        )
-        self.low, self.high = float(low), float(high)
-        self.crop_fraction = crop_fraction
+    def __init__(
+        self, low: float, high: float, flip: str | None, crop_fraction: Any = None
+    ) -> None:
+        self.low, self.high = low, high  # checked by random_crop_flip
+        self.crop_fraction = (low, high) if crop_fraction is None else crop_fraction
         self.flip_mode = flip
 
     def draws(self, seed: tf.Tensor, count: Any) -> tf.Tensor:
@@ -464,4 +461,4 @@ def random_crop_flip(
             f"`flip` must be one of {', '.join(map(repr, FLIP_MODES))} or None. "
             f"Received: flip={flip!r}"
         )
-    return RandomCropFlip(crop_fraction if number else (low, high), flip)
+    return RandomCropFlip(low, high, flip, crop_fraction if number else (low, high))

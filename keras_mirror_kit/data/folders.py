@@ -46,7 +46,7 @@ from keras_mirror_kit.data.pipeline import (
     multi_worker_expected,
     resolve_seed,
 )
-from keras_mirror_kit.data.preprocess import _Then, then
+from keras_mirror_kit.data.preprocess import Then, then
 from keras_mirror_kit.data.samples import BATCH_DOMAIN, apply_keyed
 from keras_mirror_kit.data.sharding import fill_batch, own_range, record_part, worker_slice
 from keras_mirror_kit.data.sources import index_batches, to_tensors
@@ -81,7 +81,7 @@ def _decode_crop(augment: Any) -> tuple[RandomCropFlip | None, Any]:
     """`(crop done while decoding, the rest of augment per batch)` for an image loader."""
     if isinstance(augment, RandomCropFlip):
         return augment, None
-    if isinstance(augment, _Then) and isinstance(augment.first, RandomCropFlip):
+    if isinstance(augment, Then) and isinstance(augment.first, RandomCropFlip):
         return augment.first, augment.second
     return None, augment
 

@@ -23,6 +23,7 @@ from keras_mirror_kit.data.info import dataset_info
 __all__ = [
     "PREPROCESS_ON",
     "ReplicaVariant",
+    "Then",
     "preprocess_placement",
     "replica_variant",
     "rescale",
@@ -80,8 +81,8 @@ def rescale(scale: float = 1.0 / 255.0, dtype: str = "float32") -> Callable[[Any
     return _Rescale(scale, dtype)
 
 
-class _Then:
-    """`x -> second(first(x))`, a per-batch `preprocess` made of two."""
+class Then:
+    """`x -> second(first(x))`, a per-batch `preprocess` made of two (what `then` returns)."""
 
     def __init__(self, first: Callable[..., Any], second: Callable[..., Any]) -> None:
         self.first = first
@@ -94,8 +95,8 @@ class _Then:
         return f"then({self.first!r}, {self.second!r})"
 
 
-class _ThenSeeded(_Then):
-    """`_Then` where a part takes the batch's `seed`: each such part gets its own key."""
+class _ThenSeeded(Then):
+    """`Then` where a part takes the batch's `seed`: each such part gets its own key."""
 
     def __call__(self, x: Any, seed: Any) -> Any:  # type: ignore[override]
         for i, function in enumerate((self.first, self.second)):
@@ -131,7 +132,7 @@ def then(first: Callable[..., Any], second: Callable[..., Any]) -> Callable[...,
         if not callable(function):
             raise TypeError(f"`{name}` must be callable. Received: {name}={function!r}")
     seeded = takes_seed(first) or takes_seed(second)
-    return (_ThenSeeded if seeded else _Then)(first, second)
+    return (_ThenSeeded if seeded else Then)(first, second)
 
 
 def runs_on_replicas_by_default(preprocess: Any) -> bool:
