@@ -32,7 +32,6 @@ __all__ = [
     "dispatch",
     "install",
     "listed",
-    "notify_fit_exception",
     "order_callbacks",
 ]
 
@@ -131,17 +130,13 @@ def order_callbacks(callbacks: Any) -> Any:
     return producers + [c for c in listed if getattr(c, "produces_logs", False) is not True]
 
 
-def notify_fit_exception(callbacks: Any, exception: BaseException) -> None:
-    """Calls `on_fit_exception(exception)` of every callback that has it, in list order."""
-    _call_each(listed(callbacks), "on_fit_exception", exception)
-
-
-def _arranged(listed: list[Any]) -> list[Any]:
-    for callback in list(listed):
+def _arranged(callbacks: list[Any]) -> list[Any]:
+    """`callbacks` as each one's `arrange_callbacks` leaves them, in list order."""
+    for callback in list(callbacks):
         hook = _hook(callback, "arrange_callbacks")
         if hook is not None:
-            listed = list(hook(list(listed)))
-    return listed
+            callbacks = list(hook(list(callbacks)))
+    return callbacks
 
 
 def dispatch(model: Any, callbacks: Any, x: Any, run: Callable[[Any], R]) -> R:
@@ -176,7 +171,7 @@ def dispatch(model: Any, callbacks: Any, x: Any, run: Callable[[Any], R]) -> R:
             given_list.callbacks = arranged
         return run(given_list if given_list is not None else arranged)
     except BaseException as exception:  # Ctrl-C too: Keras' fit has no finally
-        notify_fit_exception(arranged, exception)
+        _call_each(arranged, "on_fit_exception", exception)
         raise
     finally:
         _dispatched.reset(token)
