@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,7 @@ from keras_mirror_kit.checkpoint.divergence import (
     check_replicas,
     log_batch_norm_gap,
 )
+from keras_mirror_kit.checkpoint.fit_record import FitLedger, FitRecord
 from keras_mirror_kit.checkpoint.lock import DirectoryLock
 from keras_mirror_kit.checkpoint.meta import CheckpointMeta
 from keras_mirror_kit.checkpoint.preemption import PreemptionGuard
@@ -69,11 +69,8 @@ __all__ = ["ReplicaDivergenceError", "SyncedCheckpoint"]
 
 logger = logging.getLogger("keras_mirror_kit")
 
-# Weak map model -> {checkpoint directory: `epochs` of each fit() of that model completed on
-# it, in order}; its length is the number of the next fit().
-_COMPLETED_FITS: weakref.WeakKeyDictionary[Any, dict[str, list[int | None]]] = (
-    weakref.WeakKeyDictionary()
-)
+# The fit() calls of each model completed on each directory: they number the next one.
+_FITS = FitLedger()
 
 
 class SyncedCheckpoint(keras.callbacks.Callback):
@@ -274,7 +271,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._ending_epoch_early = False  # ...and this callback asked Keras to end it
         self._foreign_stop = False  # someone else had asked to stop at that point
         self._reported_batch_norm = False
-        self._fit_index = 0
+        self._fit = FitRecord()  # which fit() of the script this is (fit_record.py)
         self._trained = False
         self._cursor_checked = False
         self._last_save: tuple[int, int, bool, bool] | None = None  # epoch, step, end, stop
@@ -283,9 +280,6 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._head: LoopHook | None = None
         self._tail: LoopHook | None = None
         self.last_restored: LoadedCheckpoint | None = None
-
-    def _fits_key(self) -> str:
-        return os.path.abspath(self.directory)
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         try:
@@ -320,8 +314,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self.model._initial_epoch = None  # noqa: SLF001
         self._reset_run_state()
         check_callback_model(self.model, "SyncedCheckpoint")
-        self._fit_history = list(_COMPLETED_FITS.get(self.model, {}).get(self._fits_key(), []))
-        self._fit_index = len(self._fit_history)
+        self._fit = _FITS.starting(self.model, self.directory, self._epochs())
         self._adopt_arrangement()
         self._is_chief = is_chief(self.model)
         # Mid-epoch checkpoints are resume points for this run only when it can resume from
@@ -333,7 +326,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         if self._is_chief:
             self._lock.acquire()  # before prepare(), which removes orphaned temporaries
             self._store.prepare()
-            if not self.restore and self._fit_index == 0 and self._store.entries():
+            if not self.restore and self._fit.index == 0 and self._store.entries():
                 raise CheckpointError(
                     f"The checkpoint directory {str(self.directory)!r} already holds "
                     "checkpoints, and restore=False would start a new run whose saves rotate "
@@ -367,7 +360,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         if (
             self.restore
             and kept is not None
-            and kept.belongs_to(self.model, self._fit_index)
+            and kept.belongs_to(self.model, self._fit.index)
             and kept.restore()  # False (with a WARNING) when the variables changed
         ):
             logger.info(
@@ -377,7 +370,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                 self.directory,
             )
             return
-        self._start_state = StartState(self.model, self._fit_index)
+        self._start_state = StartState(self.model, self._fit.index)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if self._steps_in_fit and self._preemption.pending():  # no collective here
@@ -459,8 +452,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                 # weights back: the final state is what a rerun must find.
                 self._save(epoch=epoch, step=step, epoch_end=epoch_end, stopped=stopped)
         self._start_state = None  # this fit() ended: none of its batches is retried
-        fits = _COMPLETED_FITS.setdefault(self.model, {})
-        fits[self._fits_key()] = [*self._fit_history, self._epochs()]
+        _FITS.completed(self.model, self.directory, self._fit)
         self._resume_epoch = None
         self._resume_skip = 0
         self.wait_for_pending_save()  # fit() returns once every checkpoint is written
@@ -609,11 +601,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             step=int(step),
             epoch_end=bool(epoch_end),
             global_step=self._global_step(),
-            fit_index=self._fit_index,
-            fit_epochs=self._epochs(),
-            # `epochs` of every fit() of the script so far: tells a full rerun of the script
-            # from a rerun of one later stage alone (see resume.restore_latest).
-            script_fit_epochs=(*self._fit_history, self._epochs()),
+            fit=self._fit,  # tells a full rerun from a later stage rerun alone (fit_record)
             stopped=bool(stopped),
             finite=not snapshot.non_finite,
             num_replicas=engine_of(self.model).num_replicas,
@@ -645,8 +633,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             self._store,
             self.model,
             self._cursor,
-            fit_index=self._fit_index,
-            epochs=self.params.get("epochs") if self.params else None,
+            fit=self._fit,
             strict=self.strict,
             directory=self.directory,
         )
@@ -654,6 +641,5 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self.model._initial_epoch = resume.initial_epoch  # noqa: SLF001
         self._resume_epoch, self._resume_skip = resume.epoch, resume.skip
         self._pending_states = resume.callback_states
-        if resume.fit_index is not None:  # a later stage rerun alone: its number from now on
-            self._fit_index = resume.fit_index
-            self._fit_history = list(resume.fit_history)
+        if resume.fit is not None:  # a later stage rerun alone: its number from now on
+            self._fit = resume.fit

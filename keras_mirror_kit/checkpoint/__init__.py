@@ -8,6 +8,9 @@ already-trained weights when `save_freq` is an integer, and never resets
 
 The modules, from the bottom up (each imports only those below it):
 
+* `fit_record`: which `fit()` of a script a checkpoint belongs to (`FitRecord`, what a
+  process numbers its own `fit()` calls by, and `place`: what a starting `fit()` does with
+  another's checkpoint).
 * `meta`: the one schema of a checkpoint's metadata and of the manifest's entries.
 * `store` (the directory of verified, atomically written `.npz` files, its manifest and
   retention; the error and warning classes), `lock` (one writer per directory) and

@@ -7,7 +7,7 @@ keys are spelled here only: writers build these classes, readers get them, and `
 
 * a file without `"state"` (written before random-state saving) holds `model.weights`,
   not `model.variables` (`CheckpointMeta.state` is `"weights"` then);
-* a file without `"fit_index"` was written by the `fit()` that reads it;
+* a file without `"fit_index"` was written by the `fit()` that reads it (`fit_record`);
 * a manifest of keras-mirror-kit 0.1.0 lists each file's `"sha256"`, not the `"crc32"`
   of its members (`ManifestEntry.sha256`).
 
@@ -27,6 +27,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
+
+from keras_mirror_kit.checkpoint.fit_record import FitRecord
 
 __all__ = [
     "CALLBACK_ARRAY",
@@ -118,6 +120,18 @@ def _str(data: Mapping[str, Any], key: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"its {key!r} is not a string ({_short(value)})")
     return value
+
+
+def _fit_record(data: Mapping[str, Any]) -> FitRecord | None:
+    """The `FitRecord` of a checkpoint's metadata; None for a file without `fit_index`."""
+    index, epochs = _int(data, "fit_index"), _int(data, "fit_epochs")
+    script = data.get("script_fit_epochs")
+    history = (
+        tuple(None if e is None else _whole(e, "script_fit_epochs") for e in script)
+        if isinstance(script, list)
+        else ()
+    )
+    return None if index is None else FitRecord(index, epochs, history[:index])
 
 
 def callback_array_key(key: str, name: str, index: int | None = None) -> str:
@@ -232,10 +246,8 @@ class CheckpointMeta(Mapping[str, Any]):
         epoch_end: Whether it was written at an epoch boundary.
         global_step: The optimizer's step count, or None without an optimizer.
         state: `"variables"` (`model.variables`) or `"weights"` (older files).
-        fit_index: Which `fit()` of the script wrote it (0 for the first); None in older
-            files.
-        fit_epochs: The `epochs` of that `fit()`.
-        script_fit_epochs: The `epochs` of every `fit()` of the script up to that one.
+        fit: Which `fit()` of the script wrote it (`fit_record.FitRecord`: its number, its
+            `epochs` and those of the `fit()` calls before it); None in older files.
         stopped: Whether that `fit()` had been asked to stop (by a callback).
         finite: Whether every value saved is finite.
         num_replicas: The replica count of the run that wrote it.
@@ -255,9 +267,7 @@ class CheckpointMeta(Mapping[str, Any]):
     epoch_end: bool = False
     global_step: int | None = None
     state: str = STATE_VARIABLES
-    fit_index: int | None = None
-    fit_epochs: int | None = None
-    script_fit_epochs: tuple[int | None, ...] | None = None
+    fit: FitRecord | None = None
     stopped: bool = False
     finite: bool = True
     num_replicas: int | None = None
@@ -283,11 +293,9 @@ class CheckpointMeta(Mapping[str, Any]):
             "epoch_end": self.epoch_end,
             "global_step": self.global_step,
             "state": self.state,
-            "fit_index": self.fit_index,
-            "fit_epochs": self.fit_epochs,
-            "script_fit_epochs": (
-                None if self.script_fit_epochs is None else list(self.script_fit_epochs)
-            ),
+            "fit_index": self.fit.index if self.fit else None,
+            "fit_epochs": self.fit.epochs if self.fit else None,
+            "script_fit_epochs": list(self.fit.script_epochs) if self.fit else None,
             "stopped": self.stopped,
             "finite": self.finite,
             "num_replicas": self.num_replicas,
@@ -316,7 +324,6 @@ class CheckpointMeta(Mapping[str, Any]):
         for key in ("epoch", "step"):
             if _int(data, key) is None:
                 raise ValueError(f"its metadata has no {key!r}")
-        history = data.get("script_fit_epochs")
         callbacks, config = data.get("callbacks"), data.get("model_config")
         variables = data.get("variables") or []
         if not isinstance(variables, list) or not all(isinstance(v, str) for v in variables):
@@ -335,13 +342,7 @@ class CheckpointMeta(Mapping[str, Any]):
             epoch_end=bool(data.get("epoch_end")),
             global_step=_int(data, "global_step"),
             state=_str(data, "state") or STATE_WEIGHTS,
-            fit_index=_int(data, "fit_index"),
-            fit_epochs=_int(data, "fit_epochs"),
-            script_fit_epochs=(
-                tuple(None if e is None else _whole(e, "script_fit_epochs") for e in history)
-                if isinstance(history, list)
-                else None
-            ),
+            fit=_fit_record(data),
             stopped=bool(data.get("stopped")),
             finite=data.get("finite") is not False,
             num_replicas=_int(data, "num_replicas"),
@@ -419,7 +420,7 @@ class ManifestEntry:
             step=meta.step,
             epoch_end=meta.epoch_end,
             global_step=meta.global_step,
-            fit_index=meta.fit_index,
+            fit_index=meta.fit.index if meta.fit else None,
             stopped=meta.stopped,
             finite=meta.finite,
             score=meta.score,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from keras_mirror_kit import backends
+from keras_mirror_kit.checkpoint.fit_record import FitRecord, Placement, place
 from keras_mirror_kit.checkpoint.meta import CheckpointMeta, DataDescription
 from keras_mirror_kit.checkpoint.state import apply_state
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
@@ -53,11 +54,9 @@ class ResumePlan:
         skip: Batches of that epoch already trained (0: the epoch starts at its beginning).
         callback_states: The saved callback states and the checkpoint's arrays, to give the
             other callbacks before the first epoch, or None.
-        fit_index: The number the starting `fit()` takes as its own, when it resumes the
+        fit: The record the starting `fit()` takes as its own when it resumes the
             unfinished checkpoint of a later `fit()` with the same `epochs` (a rerun of
-            that stage alone), else None.
-        fit_history: With `fit_index`, the `epochs` of the script's `fit()` calls before
-            that one, as the checkpoint records them.
+            that stage alone: `fit_record.Placement.STAGE_ALONE`), else None.
     """
 
     restored: LoadedCheckpoint | None = None
@@ -65,8 +64,7 @@ class ResumePlan:
     epoch: int | None = None
     skip: int = 0
     callback_states: tuple[Mapping[str, Any], Mapping[str, np.ndarray]] | None = None
-    fit_index: int | None = None
-    fit_history: tuple[int | None, ...] = ()
+    fit: FitRecord | None = None
 
 
 @dataclass(frozen=True)
@@ -92,27 +90,33 @@ def restore_latest(
     model: Any,
     cursor: DatasetCursor | None,
     *,
-    fit_index: int,
-    epochs: int | None,
+    fit: FitRecord,
     strict: bool,
     directory: str | os.PathLike[str],
 ) -> ResumePlan:
     """Restores the newest usable checkpoint into `model` and says where the `fit()` goes on.
 
-    A checkpoint written by an earlier `fit()` of the script is left alone (the model went
-    on from it). One written by a later `fit()` with the same `epochs` that had not
-    finished is taken as this `fit()`'s own (that stage rerun alone). One written by
-    another later `fit()`, or by this one when it had been stopped with the same `epochs`,
-    is restored and the `fit()` trains nothing (a WARNING for a later `fit()`). Otherwise
-    the `fit()`
-    resumes where the checkpoint was written: mid-epoch when `mid_epoch_skip` allows it,
-    else from the newest checkpoint written at an epoch boundary. The cursor adopts the
-    checkpoint's data seed when the dataset's seed was drawn at random.
+    What the starting `fit()` does with a checkpoint of another `fit()` of the script is
+    `fit_record.place`'s decision: one written by an earlier `fit()` is left alone (the
+    model went on from it); one written by a later stage rerun alone is taken as this
+    `fit()`'s own; one written by another later `fit()`, or by this one when it had been
+    stopped with the same `epochs`, is restored and the `fit()` trains nothing (a WARNING
+    for a later `fit()`). Otherwise the `fit()` resumes where the checkpoint was written:
+    mid-epoch when `mid_epoch_skip` allows it, else from the newest checkpoint written at
+    an epoch boundary. The cursor adopts the checkpoint's data seed when the dataset's seed
+    was drawn at random.
 
-    `fit_index` is how many `fit()` calls of this script on `model` completed with this
-    directory before the one starting, `epochs` the starting one's; `strict` refuses
-    instead of falling back to an epoch boundary when the data no longer matches a
-    mid-epoch checkpoint.
+    Args:
+        store: The checkpoint directory's store.
+        model: The model to restore into.
+        cursor: The cursor of the kit dataset the `fit()` resumes by, or None.
+        fit: The starting `fit()`'s record (`fit_record.FitLedger.starting`).
+        strict: Refuse, instead of falling back to an epoch boundary, when the data no
+            longer matches a mid-epoch checkpoint.
+        directory: The directory, for messages.
+
+    Returns:
+        The `ResumePlan` (all unset: from scratch).
 
     Raises:
         CheckpointError: When the checkpoint was written by another model or optimizer,
@@ -127,28 +131,27 @@ def restore_latest(
                 directory,
             )
         return ResumePlan()
-    meta, k = newest.meta, fit_index
-    written_by = k if meta.fit_index is None else meta.fit_index  # older files: this fit
-    if written_by < k:
-        # An earlier fit() of this process wrote it, and the model went on from there.
-        return ResumePlan()
-    if written_by > k and _unfinished_with(meta, epochs) and not _same_fit(meta, k, epochs):
-        # The stage that wrote it is rerun alone (earlier fit() calls commented out, a
-        # notebook cell after a kernel restart): it is this fit()'s own checkpoint.
+    meta, taken = newest.meta, None
+    placement = place(meta.fit, fit, epoch=meta.epoch, stopped=meta.stopped)
+    if placement is Placement.EARLIER:
+        return ResumePlan()  # an earlier fit() of this process wrote it; the model went on
+    if placement in (Placement.LATER, Placement.STOPPED):
+        return _restore_finished(
+            model, newest, placement is Placement.LATER, fit.epochs, directory
+        )
+    if placement is Placement.STAGE_ALONE and meta.fit is not None:
+        taken = fit.as_stage_of(meta.fit)
         logger.warning(
             "keras-mirror-kit: the newest checkpoint %s was written by fit() number %d of "
             "the script (epochs=%s, stopped at epoch %s, unfinished), but this is fit() "
             "number %d of the process; with the same epochs, this fit() takes it as its "
             "own and resumes it",
             newest.path,
-            written_by + 1,
-            meta.fit_epochs,
+            meta.fit.index + 1,
+            meta.fit.epochs,
             meta.epoch,
-            k + 1,
+            fit.index + 1,
         )
-        k = written_by
-    elif written_by > k or (meta.stopped and meta.fit_epochs == epochs and epochs is not None):
-        return _restore_finished(model, newest, written_by > k, epochs, directory)
     loaded, skip = newest, 0
     if not meta.epoch_end:
         found = mid_epoch_skip(meta, cursor, model)
@@ -191,14 +194,14 @@ def restore_latest(
     apply_state(model, loaded, directory)
     meta = loaded.meta
     epoch = meta.epoch
-    taken = _taken_fit(meta, k) if k != fit_index else {}
-    if (k if meta.fit_index is None else meta.fit_index) < k:  # the previous fit()'s end
+    own = taken or fit
+    if meta.fit is not None and meta.fit.index < own.index:  # the previous fit()'s end
         logger.info(
             "keras-mirror-kit: restored %s, the end of the previous fit(); this fit() "
             "starts at its own first epoch",
             loaded.path,
         )
-        return ResumePlan(restored=loaded, **taken)
+        return ResumePlan(restored=loaded, fit=taken)
     _adopt_seed(cursor, meta)
     logger.info(
         "keras-mirror-kit: resumed from %s (epoch %d, batch %d, saved with %s replica(s))",
@@ -213,31 +216,8 @@ def restore_latest(
         epoch=epoch if skip else None,
         skip=skip,
         callback_states=(meta.callbacks, loaded.arrays),
-        **taken,
+        fit=taken,
     )
-
-
-def _taken_fit(meta: CheckpointMeta, k: int) -> dict[str, Any]:
-    """`fit_index` and `fit_history` of a `fit()` that takes a later stage's number `k`."""
-    history = list(meta.script_fit_epochs or [None] * k)[:k]
-    return {"fit_index": k, "fit_history": tuple(history)}
-
-
-def _same_fit(meta: CheckpointMeta, k: int, epochs: int | None) -> bool:
-    """Whether fit() number `k` of the script that wrote `meta` had these `epochs` too.
-
-    Then this fit() may be that one in a full rerun of the script, and taking a later
-    stage's checkpoint as its own would be wrong: the rerun goes stage by stage instead.
-    """
-    history = meta.script_fit_epochs
-    return history is not None and k < len(history) and history[k] == epochs
-
-
-def _unfinished_with(meta: CheckpointMeta, epochs: int | None) -> bool:
-    """Whether a checkpoint's fit() had the given `epochs` and neither ended nor was stopped."""
-    if epochs is None or meta.fit_epochs is None or meta.fit_epochs != int(epochs):
-        return False
-    return not meta.stopped and meta.epoch < meta.fit_epochs
 
 
 def _restore_finished(
@@ -272,8 +252,8 @@ def _restore_finished(
             "to train (a stage rerun alone with other epochs, or a new run), use a new "
             "checkpoint directory",
             loaded.path,
-            (meta.fit_index or 0) + 1,
-            meta.fit_epochs,
+            (meta.fit.index if meta.fit else 0) + 1,
+            meta.fit.epochs if meta.fit else None,
             meta.epoch,
             epochs,
             "restored" if restored is not None else "left for that later fit()",
@@ -283,7 +263,7 @@ def _restore_finished(
             "keras-mirror-kit: this fit() had been stopped at epoch %s (epochs=%s) by a "
             "callback's request; training nothing",
             meta.epoch,
-            meta.fit_epochs,
+            meta.fit.epochs if meta.fit else None,
         )
     return ResumePlan(restored=restored, initial_epoch=max(int(epochs or 0), 1))
 
