@@ -16,6 +16,9 @@ test's teardown report carries `("children", n)` and `("forked", m)` (a module f
 children count for the first test that uses it), and the run ends with a line that says
 how many children the tests started, how many were forked, and which tests outside the
 `slow` tier started any.
+
+This process collects garbage less often than CPython's default (`forkserver.tune_gc`;
+`KMK_TEST_GC=0` keeps the default).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import subprocess
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -42,6 +46,10 @@ os.environ["HIP_VISIBLE_DEVICES"] = "-1"
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
+
+from tests import forkserver  # noqa: E402 (the standard library only)
+
+forkserver.tune_gc()  # before the test modules import TensorFlow: tracing makes many young objects
 
 LOGICAL_CPUS = 2
 
@@ -78,6 +86,14 @@ def tensorflow_test_bed():
     """
     if "tensorflow" in sys.modules:
         configure_tensorflow()
+
+
+@pytest.fixture
+def library_children_forked(monkeypatch):
+    """`subprocess.run([sys.executable, ...])` in this test goes through `forkserver.run`: the
+    children the library starts in this process (`check_replicas`' child) are forked from the
+    zygote as a forked child's own are (anything else still gets a real `subprocess.run`)."""
+    monkeypatch.setattr(subprocess, "run", forkserver.run)
 
 
 _children_started = [0]
@@ -148,7 +164,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     fast = sorted(k for k, (_, _, slow) in started.items() if not slow)
     terminalreporter.write_line(
         f"child processes started: {sum(n for n, _, _ in started.values())} "
-        f"({sum(f for _, f, _ in started.values())} forked from the TensorFlow zygote), by "
+        f"({sum(f for _, f, _ in started.values())} forked from the tests' zygotes), by "
         f"{len(started)} tests"
         + (f"; outside the slow tier: {', '.join(fast[:5])}" if fast else "")
         + (f" and {len(fast) - 5} more" if len(fast) > 5 else "")

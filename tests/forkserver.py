@@ -1,4 +1,5 @@
-"""Python children that start with TensorFlow already imported: forked from a warm parent.
+"""Python children that start with TensorFlow (or Keras on JAX) already imported: forked
+from a warm parent.
 
 Most children of the suite run `import tensorflow` first, which costs 5-8 s of CPU on the
 CI machine, more than many of them then spend training. Importing TensorFlow loads its
@@ -7,37 +8,54 @@ split, the thread pools, the eager context and the CUDA driver are made at first
 a process that has imported TensorFlow and done nothing else (one per pytest process: the
 *zygote*, `python -m tests.forkserver`) can `fork()` children that each still configure
 their own runtime as a fresh interpreter would (`set_logical_device_configuration`,
-`TF_CONFIG`, `XLA_FLAGS`, `CUDA_VISIBLE_DEVICES`), at a fraction of the cost.
+`TF_CONFIG`, `XLA_FLAGS`, `CUDA_VISIBLE_DEVICES`), at a fraction of the cost. Children with
+`KERAS_BACKEND=jax` are forked from a second zygote that imported Keras on JAX and `jax`,
+and no TensorFlow (about 3.5 s of CPU saved each): importing JAX creates no backend either
+(`XLA_FLAGS`, the platforms and the device count are read when the child first asks for a
+device), so JAX's warning about `fork()` in a multithreaded process does not apply.
 
 `popen([sys.executable, ...], env=..., stdout=PIPE, ...)` returns a `subprocess.Popen`-like
-`ForkedProcess` (pid, poll, wait, communicate, send_signal, kill) for a child forked by the
+`ForkedProcess` (pid, poll, wait, communicate, send_signal, kill) for a child forked by a
 zygote, or a real `subprocess.Popen` wherever a fork would not be the same process:
 
 * arguments other than `python [-u] -c CODE | -m MODULE | SCRIPT [args]`, another
-  executable, `KERAS_BACKEND` other than `tensorflow` (JAX, which warns against `fork()`),
-  a value of an environment variable TensorFlow, Keras or the interpreter reads when it
-  starts (`IMPORT_TIME_VARIABLES`, every `KERAS_*`, another `keras.json`) other than the
-  zygote's, `preexec_fn`, `start_new_session`, `pass_fds`, or input on stdin;
+  executable, `KERAS_BACKEND` other than `tensorflow` and `jax`, a value of an environment
+  variable TensorFlow, Keras, JAX or the interpreter reads when it starts
+  (`IMPORT_TIME_VARIABLES`, every `KERAS_*` and `JAX_*`, another `keras.json`) other than
+  the zygote's, `preexec_fn`, `start_new_session`, `pass_fds`, or input on stdin;
 * `KMK_TEST_FORK=0` in the environment of pytest (every child a real interpreter), or the
   zygote failing to start or ending (every later child is a real interpreter; a child it
   forked whose exit it never reported raises `ChildProcessError` from `wait`).
+
+A forked child's own `subprocess.run([sys.executable, ...])` goes through `run` too: the
+children the library starts for a check (`kmk.check_replicas`' child, `doctor`'s self-test,
+`bench`'s workers) are forked from the same zygotes when their parent was (the library
+calls `subprocess.run` as before; only how the interpreter comes to be differs).
+`subprocess.Popen` is left alone, so the launcher's workers, which the launcher's tests
+follow by process group, parent-death signal and namespace, stay new interpreters.
+
+The zygotes and the pytest processes collect garbage less often than CPython's default
+(`tune_gc`: tracing a Keras model makes millions of short-lived objects, and the default
+thresholds spend a few percent of the suite's CPU scanning them); the children forked from
+a zygote inherit its thresholds.
 
 `KMK_TEST_FORK_LOG=FILE` appends one JSON line per child started through here: forked or
 not, and its arguments.
 
 A child forked here differs from a new interpreter only in what the zygote imported
-(TensorFlow, NumPy, Keras and what they import are in `sys.modules` from the start; Keras
-wrote no `keras.json` into a `KERAS_HOME` that has none), in its parent process (the
-zygote) and in its hash seed (the zygote's, unless `PYTHONHASHSEED` is set). Tests that
-check what an import loads, or the parent's pid, use `subprocess` directly. The child's
-exit follows the interpreter's own: non-daemon threads are joined, `atexit` handlers run,
-the standard streams are flushed.
+(TensorFlow, NumPy, Keras and what they import, or Keras and JAX, are in `sys.modules` from
+the start; Keras wrote no `keras.json` into a `KERAS_HOME` that has none), in its parent
+process (the zygote), in its garbage-collection thresholds and in its hash seed (the
+zygote's, unless `PYTHONHASHSEED` is set). Tests that check what an import loads, or the
+parent's pid, use `subprocess` directly. The child's exit follows the interpreter's own:
+non-daemon threads are joined, `atexit` handlers run, the standard streams are flushed.
 """
 
 from __future__ import annotations
 
 import array
 import atexit
+import gc
 import io
 import json
 import os
@@ -65,6 +83,16 @@ IMPORT_TIME_VARIABLES = (
 )  # fmt: skip
 _MAX_FDS = 3
 _BASE_ENV = dict(os.environ)  # at collection, before any test's monkeypatch
+BACKENDS = ("tensorflow", "jax")  # one zygote each, started at its first child
+# Young objects collected every 10,000 allocations instead of 700 (CPython's default).
+GC_THRESHOLDS = (10_000, 50, 100)
+_subprocess_run = subprocess.run  # the real one: a forked child's `subprocess.run` is `run`
+
+
+def tune_gc() -> None:
+    """Collects garbage less often in a process that traces Keras models (see the docstring)."""
+    if os.environ.get("KMK_TEST_GC", "1") != "0":
+        gc.set_threshold(*GC_THRESHOLDS)
 
 
 class _Channel:
@@ -137,6 +165,10 @@ def _child_main(request: dict[str, Any], fds: list[int]) -> None:
             first = os.getcwd()
         sys.path[:] = [first, *extra, *request["site_path"]]
         sys.argv = list(argv)
+        _zygotes.clear()
+        _zygotes.update(request["zygotes"])  # its own children fork from them too
+        _zygotes["may_start"] = False
+        subprocess.run = run
         main = types.ModuleType("__main__")
         main.__dict__["__builtins__"] = __builtins__
         sys.modules["__main__"] = main
@@ -200,9 +232,15 @@ def _die_with_parent() -> None:
         pass  # elsewhere it ends when the pytest process's atexit kills it
 
 
-def serve(path: str) -> None:
-    """The zygote: imports TensorFlow, then forks one child per request on socket `path`."""
-    import tensorflow  # noqa: F401 - the point of the zygote
+def serve(path: str, backend: str = "tensorflow") -> None:
+    """A zygote: imports TensorFlow (or Keras on JAX, and `jax`), then forks one child per
+    request on socket `path`."""
+    tune_gc()
+    if backend == "jax":
+        import jax  # noqa: F401 - no backend is made: the child asks for its devices
+        import keras  # noqa: F401 - on JAX (the zygote's KERAS_BACKEND)
+    else:
+        import tensorflow  # noqa: F401 - the point of the zygote
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -355,24 +393,29 @@ def _drain(stream: Any, outputs: dict[str, Any], name: str) -> None:
     stream.close()
 
 
-_zygote: dict[str, Any] = {}
+# backend -> {"path", "env"} of a running zygote (None: it could not start); "may_start":
+# False in a forked child, which uses its parent's zygotes and never starts one.
+_zygotes: dict[str, Any] = {"may_start": True}
+_started: dict[str, dict[str, Any]] = {}  # backend -> {"proc", "folder"}: this process's own
 
 
-def _zygote_path() -> str | None:
-    """The socket of this process's zygote, started on first use (None: it could not start)."""
-    if "path" in _zygote:
-        proc = _zygote.get("proc")
+def _zygote_path(backend: str) -> str | None:
+    """The socket of this process's zygote for `backend`, started on first use (None: none)."""
+    if backend in _zygotes:
+        proc = _started.get(backend, {}).get("proc")
         if proc is not None and proc.poll() is not None:
-            _zygote["path"] = None  # it died: new interpreters from now on
-        return _zygote["path"]
-    _zygote["path"] = None
-    if os.environ.get("KMK_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
+            _zygotes[backend] = None  # it died: new interpreters from now on
+        return (_zygotes[backend] or {}).get("path")
+    _zygotes[backend] = None
+    if not _zygotes["may_start"] or os.environ.get("KMK_TEST_FORK", "1") == "0":
+        return None
+    if not hasattr(os, "fork"):
         return None
     folder = tempfile.mkdtemp(prefix="kmk-zygote-")
     path = os.path.join(folder, "socket")
-    env = _zygote_env()
+    env = _zygote_env(backend)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.forkserver", path],
+        [sys.executable, "-m", "tests.forkserver", path, backend],
         env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     ready, _, _ = select.select([proc.stdout], [], [], 600)
@@ -380,23 +423,24 @@ def _zygote_path() -> str | None:
         proc.kill()
         proc.wait()
         return None
-    _zygote.update(path=path, proc=proc, env=env, folder=folder)
-    atexit.register(_stop_zygote)
+    _zygotes[backend] = {"path": path, "env": env}
+    if not _started:
+        atexit.register(_stop_zygotes)
+    _started[backend] = {"proc": proc, "folder": folder}
     return path
 
 
-def _stop_zygote() -> None:
-    proc = _zygote.get("proc")
-    if proc is None:
-        return
-    proc.kill()
-    proc.wait()
-    proc.stdout.close()
-    try:
-        os.unlink(_zygote["path"])
-        os.rmdir(_zygote["folder"])
-    except OSError:
-        pass
+def _stop_zygotes() -> None:
+    for backend, started in _started.items():
+        proc = started["proc"]
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        try:
+            os.unlink(_zygotes[backend]["path"])
+            os.rmdir(started["folder"])
+        except (OSError, TypeError):
+            pass
 
 
 def _parse(args: list[str]) -> tuple[str, str, list[str], bool] | None:
@@ -413,23 +457,35 @@ def _parse(args: list[str]) -> tuple[str, str, list[str], bool] | None:
     return None
 
 
-def _servable(args: Any, env: dict[str, str], kwargs: dict[str, Any]) -> bool:
+def _backend(args: Any, env: dict[str, str], kwargs: dict[str, Any]) -> str | None:
+    """The zygote that can fork `python ARGS` under `env` as a new interpreter would run it."""
     if not isinstance(args, (list, tuple)) or not args or str(args[0]) != sys.executable:
-        return False
+        return None
     unsupported = ("preexec_fn", "start_new_session", "pass_fds", "shell", "process_group")
     if any(kwargs.get(name) for name in unsupported) or kwargs.get("stdin") == subprocess.PIPE:
-        return False
-    if env.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
-        return False
-    zygote_env = _zygote.get("env") or _zygote_env()
-    names = {*IMPORT_TIME_VARIABLES, *(n for n in (*env, *zygote_env) if n.startswith("KERAS_"))}
+        return None
+    if set(kwargs) - _SERVED_KWARGS:  # e.g. user=, umask=, restore_signals=: a real Popen
+        return None
+    backend = env.get("KERAS_BACKEND", "tensorflow")
+    if backend not in BACKENDS:
+        return None
+    zygote_env = (_zygotes.get(backend) or {}).get("env") or _zygote_env(backend)
+    prefixes = ("KERAS_", "JAX_")
+    names = {*IMPORT_TIME_VARIABLES, *(n for n in (*env, *zygote_env) if n.startswith(prefixes))}
     names -= {"KERAS_BACKEND", "KERAS_HOME"}
     if any(env.get(name) != zygote_env.get(name) for name in names):
-        return False
+        return None
     config = _keras_config(env)
-    return config is not None and config == _keras_config(zygote_env)
+    if config is None or config != _keras_config(zygote_env):
+        return None
+    return backend
 
 
+# What `popen` hands a forked child as `Popen` would: other arguments get a real Popen.
+_SERVED_KWARGS = {
+    "stdin", "stdout", "stderr", "env", "cwd", "text", "universal_newlines", "encoding",
+    "errors", "close_fds", "bufsize",
+}  # fmt: skip
 _KERAS_DEFAULTS = {"floatx": "float32", "epsilon": 1e-07, "image_data_format": "channels_last"}
 
 
@@ -446,13 +502,17 @@ def _keras_config(env: dict[str, str]) -> dict[str, Any] | None:
     config = {**_KERAS_DEFAULTS, **found} if isinstance(found, dict) else None
     if config is not None:
         config.setdefault("backend", "tensorflow")
+        if env.get("KERAS_BACKEND"):  # the variable wins over the file's backend
+            config["backend"] = env["KERAS_BACKEND"]
     return config
 
 
-def _zygote_env() -> dict[str, str]:
+def _zygote_env(backend: str) -> dict[str, str]:
     env = {**_BASE_ENV, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.pop("KERAS_BACKEND", None)
+    if backend != "tensorflow":
+        env["KERAS_BACKEND"] = backend
     return env
 
 
@@ -474,12 +534,13 @@ def _fd_for(spec: Any, default: int, keep: list[int]) -> tuple[int, int | None]:
 
 
 def popen(args: list[str], **kwargs: Any) -> Any:
-    """A `subprocess.Popen(args, **kwargs)`, forked from the zygote where that is the same."""
+    """A `subprocess.Popen(args, **kwargs)`, forked from a zygote where that is the same."""
     env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
     parsed = _parse([str(a) for a in args]) if isinstance(args, (list, tuple)) else None
-    forked = parsed is not None and _servable(args, env, kwargs) and _zygote_path() is not None
-    _log(args, forked)
-    if not forked:
+    backend = _backend(args, env, kwargs) if parsed is not None else None
+    path = _zygote_path(backend) if backend is not None else None
+    _log(args, path is not None)
+    if path is None:
         return subprocess.Popen(args, **kwargs)
     text = bool(kwargs.get("text") or kwargs.get("universal_newlines") or kwargs.get("encoding"))
     opened: list[int] = []
@@ -494,13 +555,14 @@ def popen(args: list[str], **kwargs: Any) -> Any:
     request = {
         "mode": mode, "target": target, "argv": argv, "unbuffered": unbuffered,
         "env": env, "cwd": os.fspath(cwd),
+        "zygotes": {name: z for name, z in _zygotes.items() if name in BACKENDS and z},
     }  # fmt: skip
     if mode == "script":
         request["target"] = os.path.join(os.fspath(cwd), target)
     channel = _Channel(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
     try:
         try:
-            channel.sock.connect(_zygote["path"])
+            channel.sock.connect(path)
             channel.send(request, [stdin, out, err])
             reply, _ = channel.receive()
         finally:
@@ -513,7 +575,7 @@ def popen(args: list[str], **kwargs: Any) -> Any:
         for fd in (out_read, err_read):
             if fd is not None:
                 os.close(fd)
-        _zygote["path"] = None
+        _zygotes[backend] = None
         return subprocess.Popen(args, **kwargs)
     sys.audit("subprocess.Popen", sys.executable, list(args), cwd, env)  # counted as a child
     sys.audit("kmk.test.fork")
@@ -538,19 +600,19 @@ def run(
     input: Any = None,  # noqa: A002 - subprocess.run's name
     **kwargs: Any,
 ) -> subprocess.CompletedProcess:
-    """`subprocess.run`, through `popen`."""
+    """`subprocess.run`, through `popen` (a timeout kills the child and carries its output)."""
     if capture_output:
         kwargs.setdefault("stdout", subprocess.PIPE)
         kwargs.setdefault("stderr", subprocess.PIPE)
     if input is not None:
-        return subprocess.run(args, timeout=timeout, check=check, input=input, **kwargs)
+        return _subprocess_run(args, timeout=timeout, check=check, input=input, **kwargs)
     with popen(args, **kwargs) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
-            raise
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(args, timeout, output=out, stderr=err) from None
     done = subprocess.CompletedProcess(args, proc.returncode, out, err)
     if check:
         done.check_returncode()
@@ -558,4 +620,4 @@ def run(
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(*sys.argv[1:3])

@@ -1,7 +1,8 @@
 """FLOPs on Keras' JAX backend (XLA's cost analysis) against the TensorFlow count.
 
-The JAX side runs in a fresh interpreter (`tests/jax_tools_child.py`, 2 simulated CPU
-devices); the TensorFlow counts of the same models (`tests/flop_models.py`) are made here.
+The JAX side runs in a child (`tests/jax_tools_child.py`, forked from the tests' JAX zygote,
+2 simulated CPU devices); the TensorFlow counts of the same models (`tests/flop_models.py`)
+are made here.
 Both count a multiply-add as 2 FLOPs and leave out the first layer's input gradient; XLA
 also counts elementwise operations TensorFlow's statistics leave at 0 (ReLU and its
 gradient), and only the multiply-adds inside the image of a 'same'-padded convolution.
@@ -12,12 +13,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from keras_mirror_kit.throughput.flops import count_training_flops
+from tests import forkserver
 from tests.flop_models import flop_models
 from tests.subproc import REPO
 
@@ -35,7 +36,7 @@ def jax_run(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("jax-flops") / "result.json"
     env = {k: v for k, v in os.environ.items() if k not in ("KMK_SIMULATE_REPLICAS", "XLA_FLAGS")}
     env.update(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="jax")
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, "-m", "tests.jax_tools_child", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -127,3 +127,66 @@ def test_a_running_child_is_a_popen(tmp_path) -> None:
     proc.terminate()
     assert proc.wait(timeout=120) == -signal.SIGTERM
     proc.stdout.close()
+
+
+JAX_DEVICES = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={sys.argv[1]}"
+before = sorted(m for m in ("tensorflow", "jax", "keras") if m in sys.modules)
+import jax
+import keras
+print(json.dumps({"devices": len(jax.devices("cpu")), "backend": keras.backend.backend(),
+                  "ppid": os.getppid(), "before": before,
+                  "tensorflow": "tensorflow" in sys.modules}))
+"""
+
+
+def test_jax_children_fork_from_a_zygote_without_tensorflow_and_pick_their_devices() -> None:
+    seen = []
+    for n in (3, 1, 2):  # a backend made by an earlier child would keep its device count
+        proc = forkserver.run(
+            [sys.executable, "-c", JAX_DEVICES, str(n)], env=_env(KERAS_BACKEND="jax"),
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "fork()" not in proc.stderr, proc.stderr[-3000:]  # JAX's multithreading warning
+        seen.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert [s["devices"] for s in seen] == [3, 1, 2]
+    assert {s["backend"] for s in seen} == {"jax"}
+    assert not any(s["tensorflow"] for s in seen)  # the JAX zygote imported none
+    if FORKING:
+        assert all(s["ppid"] != os.getpid() for s in seen)
+        assert all(s["before"] == ["jax", "keras"] for s in seen)
+
+
+NESTED = """
+import json, os, subprocess, sys
+child = subprocess.run([sys.executable, "-c", "import os; print(os.getppid())"],
+                       capture_output=True, text=True, timeout=300, check=True)
+try:
+    subprocess.run([sys.executable, "-c", "print('partial', flush=True); import time; "
+                    "time.sleep(600)"], capture_output=True, text=True, timeout=float(sys.argv[1]))
+    late = None
+except subprocess.TimeoutExpired as expired:
+    late = expired.stdout
+print(json.dumps({"me": os.getpid(), "ppid": os.getppid(), "child_ppid": int(child.stdout),
+                  "late": late}))
+"""
+
+
+def test_a_forked_childs_own_python_children_are_forked_too() -> None:
+    """What the library starts with `subprocess.run([sys.executable, ...])` from a forked child
+    (`check_replicas`' child, doctor's self-test, bench's workers) is a sibling forked by the
+    same zygote; a timeout still kills it and carries what it wrote, as `subprocess.run`'s."""
+    proc = forkserver.run(
+        [sys.executable, "-c", NESTED, "20"], env=_env(), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    if FORKING:
+        assert seen["ppid"] != os.getpid()  # the zygote's child ...
+        assert seen["child_ppid"] == seen["ppid"]  # ... and so is its own child
+    else:
+        assert seen["child_ppid"] == seen["me"]
+    assert seen["late"] == "partial\n"

@@ -1,7 +1,8 @@
 """benchmarks/gpu_selftest_jax.py in its quick (CPU) mode, with TensorFlow hidden as on the
 GPU machine: every section runs and its figures are measured, not made up.
 
-Two fresh interpreters on `KERAS_BACKEND=jax`, started together: the self-test, and a
+Two children on `KERAS_BACKEND=jax` (forked from the tests' JAX zygote, which imported no
+TensorFlow), started together: the self-test, and a
 reference that builds the same two models through the public API and counts their FLOPs
 with `kmk.count_training_flops`. Nothing here depends on how fast the machine is.
 """
@@ -18,6 +19,7 @@ import textwrap
 
 import pytest
 
+from tests import forkserver
 from tests.subproc import REPO
 
 pytestmark = [
@@ -77,12 +79,12 @@ def selftest(tmp_path_factory) -> dict:
     command = [sys.executable, str(SCRIPT), "--quick", "--hide-tensorflow", "--json", str(out)]
     # A budget no run reaches (the test's own timeout bounds it): every section must run,
     # however slow the machine (a budget skip is a failure here).
-    run = subprocess.Popen(
+    run = forkserver.popen(
         [*command, "--budget-s", "36000"], cwd=REPO, env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
-        reference = subprocess.run(
+        reference = forkserver.run(
             [sys.executable, "-c", REFERENCE, str(SCRIPT)], cwd=REPO, env=env, text=True,
             capture_output=True, timeout=600,
         )  # fmt: skip

@@ -1,6 +1,7 @@
 """The same `distributed()` on Keras' JAX backend, on 1 and on 2 simulated CPU devices.
 
-Each configuration runs in a fresh interpreter (`tests/jax_child.py`: `KERAS_BACKEND=jax`,
+Each configuration runs in its own child (`tests/jax_child.py`: `KERAS_BACKEND=jax`, forked
+from the tests' JAX zygote as a new interpreter would run it,
 XLA's host-platform device count set by `kmk.simulate_replicas`), both from the same
 initial weights.
 """
@@ -10,12 +11,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from tests import forkserver
 from tests.subproc import REPO
 
 pytestmark = [
@@ -35,7 +36,7 @@ def runs(tmp_path_factory) -> dict[int, dict]:
     results = {}
     for n in (1, 2):  # the 1-device run writes the initial weights both start from
         out = root / f"result-{n}.json"
-        proc = subprocess.run(
+        proc = forkserver.run(
             [sys.executable, "-m", "tests.jax_child", str(out), str(n), str(root / "w.npz")],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
         )  # fmt: skip

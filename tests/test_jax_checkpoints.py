@@ -1,6 +1,7 @@
 """SyncedCheckpoint on Keras' JAX backend (2 simulated CPU devices), and across backends.
 
-Every JAX case runs in one fresh interpreter (`tests/jax_ckpt_child.py`, ending with a real
+Every JAX case runs in one child (`tests/jax_ckpt_child.py`, forked from the tests' JAX
+zygote as a new interpreter would run it, ending with a real
 SIGTERM and `Preempted`'s exit status 75); the TensorFlow side of the cross-backend cases
 runs here, in this test process (2 logical CPU replicas). The seeded SIGKILL trials reuse
 `tests/test_checkpoint_crash.py`'s harness with `KERAS_BACKEND=jax` children: 2 with
@@ -16,7 +17,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,6 +27,7 @@ import pytest
 import keras_mirror_kit as kmk
 from keras_mirror_kit.checkpoint.state import state_variables
 from keras_mirror_kit.checkpoint.store import CheckpointStore
+from tests import forkserver
 from tests import test_checkpoint_crash as crash
 from tests.ckpt_helpers import build, dataset, max_diff
 from tests.subproc import REPO
@@ -72,7 +73,7 @@ def jax_run(tmp_path_factory, tf_written) -> dict:
     for var, sub in (("DATA", "data"), ("CACHE", "cache"), ("CONFIG", "config")):
         env[f"WANDB_{var}_DIR"] = str(root / "wandb-home" / sub)
     env["WANDB_ARTIFACT_DIR"] = str(root / "wandb-home" / "artifacts")
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, "-m", "tests.jax_ckpt_child", str(root), str(tf_written["tf"]),
          str(tf_written["tf-wide"])],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
