@@ -27,20 +27,92 @@ gradient_accumulation_steps=N to `kmk.distributed` and records how many micro-ba
 changed the weights (the optimizer's updates). --hold-after-strategy FILE writes
 OUT_DIR/listening-<rank>.json (pid, the port of this task in TF_CONFIG) once the strategy
 exists (its TensorFlow server listens then), and waits until FILE exists.
+
+Markers that a test polls for (pids-<rank>.json, reached-*, awake-*, listening-*, killed-*)
+are written whole: a temporary file beside them, then `os.replace`, so whoever sees one
+reads all of it.
+
+A new interpreter (a launched worker, a Slurm task) skips the optional imports of
+TensorFlow and Keras that no job here uses (`skip_optional_imports`: JAX, Matplotlib,
+pandas; a third of its ~8 s of CPU before the first line of work), and ends as the tests'
+zygote ends the children it forks (`exit_as_forked_children_do`: non-daemon threads
+joined, `atexit` handlers run, the standard streams flushed, then `os._exit` with the
+status, 75 on `Preempted`), without the interpreter's teardown of TensorFlow (about 1.2 s
+of CPU). KMK_TEST_LEAN_WORKER=0 runs it as a plain interpreter (to compare).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 NUM_TRAIN, GLOBAL_BATCH, DATA_SEED, ORDER_SEED, INIT_SEED = 512, 64, 3, 17, 7
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+# Imported by TensorFlow (tf.lite: JAX) and Keras (pandas, Matplotlib) only where installed
+# (`try: import ... except ImportError`), used by none of the tests' jobs: 2.5-3 s of CPU of
+# the ~8 s a fresh worker spends importing TensorFlow.
+OPTIONAL_IMPORTS = ("jax", "jaxlib", "matplotlib", "pandas")
+LEAN_ENV = "KMK_TEST_LEAN_WORKER"  # "0": every import and the interpreter's own exit
+
+
+def _lean() -> bool:
+    return os.environ.get(LEAN_ENV, "1") != "0"
+
+
+def skip_optional_imports() -> None:
+    """In a fresh interpreter (TensorFlow not imported yet), before TensorFlow's import:
+    JAX, Matplotlib and pandas look absent, as on a host without them (None in
+    `sys.modules`: `import` raises ModuleNotFoundError, `importlib.util.find_spec` is None).
+
+    A child forked from the tests' zygote (which imported them with TensorFlow) is left
+    alone, and so is a job run with KMK_TEST_LEAN_WORKER=0.
+    """
+    if "tensorflow" in sys.modules or not _lean():
+        return
+    for name in OPTIONAL_IMPORTS:
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+
+
+def exit_as_forked_children_do(status: object) -> None:
+    """Ends the process as tests/forkserver.py ends a child it forked: non-daemon threads
+    joined, `atexit` handlers run, stdout and stderr flushed, then `os._exit(status)`.
+
+    What this skips is the interpreter's teardown (module clean-up, TensorFlow's C++
+    destructors): about 1.2 s of CPU per worker. With KMK_TEST_LEAN_WORKER=0: `sys.exit`.
+    """
+    if not _lean():
+        sys.exit(status)
+    if status is None:
+        code = 0
+    elif isinstance(status, int):
+        code = status & 0xFF
+    else:
+        print(status, file=sys.stderr)
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # noqa: SLF001 (as Python's exit)
+    atexit._run_exitfuncs()  # noqa: SLF001
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def write_marker(path: str, text: str) -> None:
+    """Writes `path` whole or not at all (a temporary file in its folder, then os.replace)."""
+    folder, name = os.path.split(path)
+    temporary = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+    with open(temporary, "w") as handle:
+        handle.write(text)
+    os.replace(temporary, path)
 
 
 def _rank() -> int:
@@ -98,6 +170,7 @@ def main() -> int:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--hold-after-strategy")
     args = parser.parse_args()
+    skip_optional_imports()
     rank = _rank()
     attempt = os.environ.get("KMK_LAUNCH_RESTART_COUNT", "0")
     marks = [int(k) for k in args.mark_step.split(",") if k]
@@ -107,12 +180,13 @@ def main() -> int:
         grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         result["grandchild_pid"] = grandchild.pid
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"pids-{rank}.json"), "w") as handle:
-        json.dump(result, handle)
+    write_marker(os.path.join(args.out, f"pids-{rank}.json"), json.dumps(result))
     if args.delay_rank == rank:
         time.sleep(args.delay)
-        with open(os.path.join(args.out, f"awake-{rank}"), "w") as handle:
-            handle.write("the delay ended before anyone stopped this worker")
+        write_marker(
+            os.path.join(args.out, f"awake-{rank}"),
+            "the delay ended before anyone stopped this worker",
+        )
 
     import keras
     import numpy as np
@@ -158,10 +232,10 @@ def main() -> int:
     if args.hold_after_strategy:
         config = json.loads(os.environ["TF_CONFIG"])
         address = config["cluster"][config["task"]["type"]][config["task"]["index"]]
-        mark = os.path.join(args.out, f"listening-{rank}.json")
-        with open(mark + ".tmp", "w") as handle:
-            json.dump({"pid": os.getpid(), "port": int(address.rsplit(":", 1)[1])}, handle)
-        os.rename(mark + ".tmp", mark)
+        write_marker(
+            os.path.join(args.out, f"listening-{rank}.json"),
+            json.dumps({"pid": os.getpid(), "port": int(address.rsplit(":", 1)[1])}),
+        )
         deadline = time.monotonic() + 300
         while not os.path.exists(args.hold_after_strategy) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -206,8 +280,10 @@ def main() -> int:
             if self.trained > 1:  # the longest step after the first (which traces)
                 timing["step_s"] = max(timing["step_s"], time.monotonic() - self.began)
             if self.trained == mark_at:
-                with open(os.path.join(args.out, f"reached-{attempt}-{rank}"), "w") as handle:
-                    handle.write(str(int(self.model.optimizer.iterations.numpy())))
+                write_marker(
+                    os.path.join(args.out, f"reached-{attempt}-{rank}"),
+                    str(int(self.model.optimizer.iterations.numpy())),
+                )
             losses.append(float(logs["loss"]))
             if args.accumulate > 1:  # count the micro-batches that changed the weights
                 now = self.model.get_weights()
@@ -219,8 +295,8 @@ def main() -> int:
                 args.die_at_batch,
             ):
                 sys.stdout.flush()
-                with open(os.path.join(args.out, f"killed-{rank}"), "w") as handle:
-                    handle.write(repr(time.time()))  # when, for the launcher's reaction time
+                # When, for the launcher's reaction time.
+                write_marker(os.path.join(args.out, f"killed-{rank}"), repr(time.time()))
                 if args.die_exit_0:  # a worker that leaves early, as if its data ran out
                     sys.stderr.flush()
                     os._exit(0)
@@ -323,4 +399,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        ended: object = main()
+    except SystemExit as stop:  # Preempted (status 75), argparse's usage errors
+        ended = stop.code
+    exit_as_forked_children_do(ended)

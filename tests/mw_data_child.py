@@ -7,7 +7,8 @@ in `preprocess`, validation on a second folder dataset) with `kmk.distributed`, 
 process per worker (TF_CONFIG from the launcher) or one process with 2 simulated replicas.
 Every file Keras' decode function reads is recorded (a wrapper around
 `keras.src.utils.image_dataset_utils._load_image_tf`). Writes OUT_DIR/result-<rank>.json
-(every file decoded, in order; losses) and OUT_DIR/weights-<rank>.npz.
+(every file decoded, in order; losses) and OUT_DIR/weights-<rank>.npz. A fresh worker
+skips the optional imports no job here uses (`tests.mw_child.skip_optional_imports`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ def main() -> int:
     out, data = sys.argv[1], sys.argv[2]
     rank = _rank()
     os.makedirs(out, exist_ok=True)
+    from tests.mw_child import skip_optional_imports
 
+    skip_optional_imports()
     import keras
     import numpy as np
     import tensorflow as tf

@@ -1,5 +1,5 @@
 """Runs for the preemption and restart trials (tests/test_preemption.py,
-tests/test_launch_restarts.py, benchmarks/preemption_trials.py).
+benchmarks/preemption_trials.py).
 
 Every wait follows the jobs' progress markers; the time bounds only end a stuck job. The
 seconds from a signal to the exit are measured for the benchmark's figures, never asserted.

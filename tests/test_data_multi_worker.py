@@ -1,18 +1,23 @@
-"""Sharding by index: 2 workers through `launch` on an image-folder job equal one 2-replica
-process, and each worker decodes only its own part of every global batch."""
+"""Sharding by index: 2 workers on an image-folder job equal one 2-replica process, and
+each worker decodes only its own part of every global batch.
+
+The workers are real processes with a TF_CONFIG each (as `launch` makes it), forked from
+the tests' zygote: what is checked is the data pipeline, not the launcher (whose own
+runs are in tests/test_multi_worker.py)."""
 
 from __future__ import annotations
 
 import collections
 import json
 import os
-import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
+from keras_mirror_kit.multi_worker import launch
 from tests import data_files, forkserver
 from tests.subproc import REPO
 
@@ -27,26 +32,33 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    proc = forkserver.popen(
-        command,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+def _run(
+    command: list[str], envs: list[dict[str, str]], timeout: float
+) -> list[subprocess.CompletedProcess]:
+    """Runs `command` once per environment (at the same time), each to its end (status 0)."""
+    procs = [
+        forkserver.popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for env in envs
+    ]
+    deadline = time.monotonic() + timeout  # bounds a stuck job; no check times it
+    outputs = []
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=30)
-        raise AssertionError(
-            f"did not finish in {timeout} s\n{stdout[-3000:]}\n{stderr[-6000:]}"
-        ) from None
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{stdout[-3000:]}\n{stderr[-8000:]}"
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+        raise AssertionError(f"did not finish in {timeout} s") from None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
+    done = []
+    for proc, (stdout, stderr) in zip(procs, outputs):
+        assert proc.returncode == 0, f"rc={proc.returncode}\n{stdout[-3000:]}\n{stderr[-8000:]}"
+        done.append(subprocess.CompletedProcess(command, proc.returncode, stdout, stderr))
+    return done
 
 
 def _weights(path):
@@ -59,12 +71,13 @@ def _weights(path):
 def test_two_workers_decode_disjoint_parts_and_train_like_one_process(tmp_path):
     data = data_files.image_folder(tmp_path / "data", per_class=16, sizes=(10, 18))
     one, two = tmp_path / "one", tmp_path / "two"
-    _run([sys.executable, "-m", CHILD, str(one), str(data)], _env(KMK_SIMULATE_REPLICAS="2"), 400)
-    launch = [sys.executable, "-m", "keras_mirror_kit.multi_worker.launch", "-n", "2"]
-    launched = _run(
-        [*launch, "--finish-window", "120", "-m", CHILD, str(two), str(data)], _env(), 600
+    _run(
+        [sys.executable, "-m", CHILD, str(one), str(data)], [_env(KMK_SIMULATE_REPLICAS="2")], 400
     )
-    assert "shard" not in launched.stdout.lower() + launched.stderr.lower()  # no AUTO warning
+    ports = launch.free_ports(2)
+    workers_env = [_env(TF_CONFIG=launch.tf_config_for(ports, rank)) for rank in (0, 1)]
+    for proc in _run([sys.executable, "-m", CHILD, str(two), str(data)], workers_env, 600):
+        assert "shard" not in proc.stdout.lower() + proc.stderr.lower()  # no AUTO warning
 
     reference = json.loads((one / "result-0.json").read_text())
     workers = [json.loads((two / f"result-{rank}.json").read_text()) for rank in (0, 1)]

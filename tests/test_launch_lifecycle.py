@@ -29,6 +29,7 @@ import psutil
 import pytest
 
 from keras_mirror_kit.multi_worker import launch
+from keras_mirror_kit.multi_worker.launch import group as launch_group
 from tests import network_modes as modes
 from tests.processes import alive, assert_none_left, kill
 
@@ -46,9 +47,11 @@ JOB = textwrap.dedent(
     out, mode = sys.argv[1], sys.argv[2]
     rank = int(os.environ["KMK_LAUNCH_RANK"])
 
-    def mark(name, text=""):
-        with open(os.path.join(out, name), "w") as f:
+    def mark(name, text=""):  # whole or not at all: readers poll for these files
+        path = os.path.join(out, name)
+        with open(os.path.join(out, f".{name}.tmp"), "w") as f:
             f.write(text)
+        os.replace(os.path.join(out, f".{name}.tmp"), path)
 
     def exited(pid):  # gone, or a zombie its parent has not reaped yet
         try:
@@ -92,7 +95,8 @@ JOB = textwrap.dedent(
         wait_for(lambda: os.path.exists(os.path.join(out, "pids-1.json")))
         pid1 = json.loads(open(os.path.join(out, "pids-1.json")).read())["pid"]
         wait_for(lambda: exited(pid1))
-        time.sleep(5)  # margin for the launcher's polling (every 0.05 s) to see it first
+        # Fails once the launcher has seen worker 1's exit (its test writes this marker).
+        wait_for(lambda: os.path.exists(os.path.join(out, "launcher-saw-exit-1")))
         print("lost my peer", file=sys.stderr, flush=True)
         sys.exit(3)
     if mode == "ok":
@@ -322,10 +326,29 @@ def test_a_worker_that_exits_0_while_the_others_train_fails_the_run(capsys, job,
     assert_none_left(_recorded(out))
 
 
+def _mark_exits_seen(monkeypatch: pytest.MonkeyPatch, out: Path) -> None:
+    """OUT/launcher-saw-exit-<i> once the launcher (in this process) has seen worker i's
+    exit: its `peek_exit`, wrapped, returns what it returned and writes the marker."""
+    real = launch_group.peek_exit
+
+    def peek_exit(worker):
+        code = real(worker)
+        marker = out / f"launcher-saw-exit-{worker.index}"
+        if code is not None and not marker.exists():
+            marker.write_text(str(code))
+        return code
+
+    monkeypatch.setattr(launch_group, "peek_exit", peek_exit)
+
+
 @pytest.mark.slow
-def test_a_peer_failing_after_an_early_exit_names_the_worker_that_left(capsys, job, out):
-    """Worker 1 exits 0; worker 0 then fails (as TensorFlow's heartbeat makes it do): the
-    launcher names worker 1, and "stopped" no one (both had exited)."""
+def test_a_peer_failing_after_an_early_exit_names_the_worker_that_left(
+    capsys, monkeypatch, job, out
+):
+    """Worker 1 exits 0; worker 0 then fails (as TensorFlow's heartbeat makes it do), once
+    the launcher has seen worker 1's exit (a marker, not a delay): the launcher names
+    worker 1, and "stopped" no one (both had exited)."""
+    _mark_exits_seen(monkeypatch, out)
     code = launch.main(
         ["-n", "2", "--startup-timeout", "0", "--finish-window", "600", "--grace", "1",
          str(job), str(out), "early-then-peer-fails"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
+from keras_mirror_kit.multi_worker import launch
 from keras_mirror_kit.workarounds import keras_loss_scale
 from tests import forkserver
 
@@ -76,8 +78,10 @@ def test_plain_keras_still_trusts_replica_0(restore_policy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("row", [0, 1])
-def test_kit_model_skips_the_step_when_any_replica_overflows(row):
+def test_kit_model_skips_the_step_when_any_replica_overflows():
+    """On one model: replica 0 overflows, a normal step, then replica 1 overflows, a normal
+    step. Each overflow halves the loss scale and skips the step on every replica."""
+
     @kmk.distributed(global_batch_size=2, mixed_precision="mixed_float16")
     def build():
         model = _dense_stack(2)  # float16 hidden layer, float32 output (the kit's rule)
@@ -87,20 +91,24 @@ def test_kit_model_skips_the_step_when_any_replica_overflows(row):
     model = build()
     assert build.distribution.num_replicas == 2
     assert keras_loss_scale.is_fixed(model.optimizer)
-    before = _weights(model)
-    model.fit(_batch(row), epochs=1, verbose=0)
-    assert float(model.optimizer.dynamic_scale.numpy()) == INITIAL_SCALE / 2
-    assert int(model.optimizer.iterations.numpy()) == 0  # the step was skipped ...
-    for old, new in zip(before, _weights(model)):
-        np.testing.assert_array_equal(old, new)  # ... on every replica: weights untouched
-    model.fit(_batch(None), epochs=1, verbose=0)  # a normal step still trains
-    assert int(model.optimizer.iterations.numpy()) == 1
-    after = _weights(model)
-    assert all(np.isfinite(w).all() for w in after)
-    assert any(not np.array_equal(old, new) for old, new in zip(before, after))
-    for variable in model.trainable_variables:  # replicas stayed identical
-        values = [v.numpy() for v in variable.value.values]
-        np.testing.assert_array_equal(values[0], values[1])
+    scale, steps = INITIAL_SCALE, 0
+    for row in (0, 1):
+        before = _weights(model)
+        model.fit(_batch(row), epochs=1, verbose=0)
+        scale /= 2
+        assert float(model.optimizer.dynamic_scale.numpy()) == scale, row
+        assert int(model.optimizer.iterations.numpy()) == steps, row  # the step was skipped
+        for old, new in zip(before, _weights(model)):
+            np.testing.assert_array_equal(old, new)  # ... on every replica: weights untouched
+        model.fit(_batch(None), epochs=1, verbose=0)  # a normal step still trains
+        steps += 1
+        assert int(model.optimizer.iterations.numpy()) == steps, row
+        after = _weights(model)
+        assert all(np.isfinite(w).all() for w in after), row
+        assert any(not np.array_equal(old, new) for old, new in zip(before, after)), row
+        for variable in model.trainable_variables:  # replicas stayed identical
+            values = [v.numpy() for v in variable.value.values]
+            np.testing.assert_array_equal(values[0], values[1])
 
 
 @pytest.mark.slow
@@ -172,6 +180,8 @@ def test_a_keras_whose_check_agrees_is_taken_as_fixed_upstream():
 
 WORKER = """
 import json, os, sys
+from tests.mw_child import skip_optional_imports
+skip_optional_imports()  # JAX, Matplotlib, pandas: unused here, a third of the start
 import numpy as np, tensorflow as tf, keras
 import keras_mirror_kit as kmk
 from keras_mirror_kit.workarounds import keras_loss_scale
@@ -202,30 +212,39 @@ with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
 
 @pytest.mark.slow
 def test_two_workers_agree_when_one_overflows(tmp_path):
-    """Without the fix worker 0 waits in the gradient all-reduce that worker 1 skipped."""
+    """Without the fix worker 0 waits in the gradient all-reduce that worker 1 skipped.
+
+    The 2 workers get a TF_CONFIG each (as `launch` makes it) and are forked from the
+    tests' zygote: each must end by itself (a stalled collective fails after 120 s)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
     for name in ("TF_CONFIG", "KMK_SIMULATE_REPLICAS", "KMK_KERAS_WORKAROUND"):
         env.pop(name, None)
     env["KMK_COLLECTIVE_TIMEOUT"] = "120"  # a stalled collective fails instead of hanging
-    proc = forkserver.run(
-        [
-            sys.executable,
-            "-m",
-            "keras_mirror_kit.multi_worker.launch",
-            "-n",
-            "2",
-            str(script),
-            str(tmp_path),
-        ],  # fmt: skip
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ports = launch.free_ports(2)
+    procs = [
+        forkserver.popen(
+            [sys.executable, str(script), str(tmp_path)],
+            cwd=REPO,
+            env={**env, "TF_CONFIG": launch.tf_config_for(ports, rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = []
+    try:
+        for proc in procs:  # bounds a stuck worker; no check times it
+            outputs.append(proc.communicate(timeout=400))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
+    for proc, (stdout, stderr) in zip(procs, outputs):
+        assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / f"result-{rank}.json").read_text())
         assert result == {

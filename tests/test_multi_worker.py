@@ -3,7 +3,12 @@
 
 Every worker is a real process (the pytest process has its own TensorFlow runtime with 2
 logical CPUs, and a `MultiWorkerMirroredStrategy` constructor blocks until its peers
-connect). Every wait is bounded; on a timeout every process a test started is killed.
+connect): started by `launch` (new interpreters) where the launcher is what is checked
+(how it names a failed or early worker, stops the others and what they started, the
+startup timeout, the network namespace, its warning), else forked from the tests' zygote
+with a TF_CONFIG each (the chief-job cluster, the resumed run, the accumulation run, the
+unshared checkpoint directories). Every wait is bounded; on a timeout every process a
+test started is killed.
 """
 
 from __future__ import annotations
@@ -435,12 +440,16 @@ SCRIPT = textwrap.dedent(
     if mode in ("fail", "leave-child"):
         info["grandchild_pid"] = subprocess.Popen(
             [sys.executable, "-c", "import time; time.sleep(600)"]).pid
-    with open(os.path.join(out, f"pids-{rank}.json"), "w") as f:
+    pids = os.path.join(out, f"pids-{rank}.json")
+    with open(pids + ".tmp", "w") as f:  # whole or not at all: the tests poll for it
         json.dump(info, f)
+    os.replace(pids + ".tmp", pids)
     print(f"index={task['index']} rank={rank} world={os.environ['KMK_LAUNCH_WORLD_SIZE']}")
     print(f"to stderr {rank}", file=sys.stderr)
     if mode == "fail" and rank == 1:
-        time.sleep(0.5)
+        deadline = time.monotonic() + HANG_S  # fails once worker 0 has recorded its pids
+        while not os.path.exists(os.path.join(out, "pids-0.json")) and time.monotonic() < deadline:
+            time.sleep(0.01)
         print("boom: something broke", file=sys.stderr)
         sys.exit(3)
     if mode in ("fail", "hang"):
@@ -740,9 +749,16 @@ def test_launch_startup_and_overall_timeouts(capsys, script, tmp_path):
 #
 # reference: 1 process, 2 simulated replicas, 2 epochs       (global batch 64, 8 steps/epoch)
 # first:     2 workers, epoch 0, checkpoints every 3 steps     -> equal to reference epoch 0
+#            (launched, --network auto: where their servers listen; W&B, throughput)
 # killed:    2 workers resume at epoch 1 (checkpoint after its step 3); worker 1 is
 #            SIGKILLed after epoch 1 batch 4                   -> launch fails fast, names it
+#            (launched, --network host: the launcher's one warning)
 # resumed:   2 workers resume from epoch 1 step 3, run 5 steps -> equal to reference epoch 1
+#            (forked from the zygote with TF_CONFIG, no launcher: the check is on training)
+#
+# Launched workers are new interpreters (the launcher starts them: its process tree,
+# signals and namespaces are checked); clusters whose checks are on training or on the
+# kit's errors (`_run_cluster`) are forked from the tests' zygote.
 
 
 @pytest.fixture(scope="module")
@@ -785,7 +801,7 @@ def killed_run(tmp_path_factory, ckpt_dir, first_run):
         out,
         "--epochs", "2", "--ckpt", str(ckpt_dir), "--save-freq", "3",
         "--die-rank", "1", "--die-epoch", "1", "--die-at-batch", "4", "--spawn-grandchild",
-        launcher_args=("--grace", "3"),
+        launcher_args=("--grace", "3", "--network", "host"),  # the other launches: auto
         timeout=300,
     )  # fmt: skip
     finished_at = time.time()  # compared with the time worker 1 wrote before its SIGKILL
@@ -795,9 +811,10 @@ def killed_run(tmp_path_factory, ckpt_dir, first_run):
 
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory, ckpt_dir, killed_run):
+    """The resume, by 2 workers started without the launcher (what it checks is training)."""
     out = tmp_path_factory.mktemp("resumed")
-    proc = _launch(out, "--epochs", "2", "--ckpt", str(ckpt_dir), "--save-freq", "3")
-    _ok(proc)
+    _run_cluster(out, _workers_tf_configs(), "--epochs", "2", "--ckpt", str(ckpt_dir),
+                 "--save-freq", "3")  # fmt: skip
     return out
 
 
@@ -900,6 +917,11 @@ def test_a_killed_worker_stops_the_launch_quickly(killed_run):
     assert not (out / "result-0.json").exists() and not (out / "result-1.json").exists()
     latest = manifest["checkpoints"][-1]
     assert (latest["epoch"], latest["step"], latest["global_step"]) == (1, 3, 11)
+    # On this host's network: one warning, the launcher's (the chief, whose strategy
+    # existed, does not add its own). The steps it trained (to global step 11) are in
+    # the weights the resumed run ends on (test_a_resumed_multi_worker_run_...).
+    assert proc.stderr.count(modes.EXPOSED) == 1, proc.stderr[-6000:]
+    assert "keras-mirror-kit launch: WARNING: --network host: " in proc.stderr
 
 
 @pytest.mark.slow
@@ -909,7 +931,7 @@ def test_a_worker_that_leaves_training_early_is_named(tmp_path):
     TensorFlow's heartbeat then fails worker 0 (or, if it does not within --finish-window,
     the launcher stops it): either way the launcher names worker 1, not worker 0."""
     proc = _launch(
-        tmp_path, "--epochs", "2",
+        tmp_path, "--tiny", "--epochs", "2",
         "--die-rank", "1", "--die-epoch", "0", "--die-at-batch", "2", "--die-exit-0",
         launcher_args=("--grace", "3", "--finish-window", "60"),
     )  # fmt: skip
@@ -945,7 +967,20 @@ def test_a_resumed_multi_worker_run_continues_from_the_checkpoint(reference, res
     assert results[0]["losses"] == results[1]["losses"]
 
 
-def _run_cluster(out: Path, tf_configs: list[str], *child_args: str, timeout: float = 420):
+def _run_cluster(
+    out: Path,
+    tf_configs: list[str],
+    *child_args: str,
+    timeout: float = 420,
+    check: bool = True,
+) -> list[subprocess.CompletedProcess[str]]:
+    """Runs one tests.mw_child per TF_CONFIG, without the launcher, to their ends.
+
+    For the runs whose checks are on the training, not on the launcher (its process tree,
+    signals and namespaces are checked on launched runs): the workers are forked from the
+    tests' zygote (tests/forkserver.py), each configuring its own TensorFlow runtime and
+    server as a new interpreter would, so they skip TensorFlow's import. `check`: every
+    worker must exit with status 0."""
     procs = [
         forkserver.popen(
             [sys.executable, "-m", CHILD, str(out), *child_args],
@@ -954,11 +989,10 @@ def _run_cluster(out: Path, tf_configs: list[str], *child_args: str, timeout: fl
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            start_new_session=True,
         )
         for config in tf_configs
     ]
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout  # bounds a stuck cluster; no check times it
     outputs = []
     try:
         for proc in procs:
@@ -966,11 +1000,24 @@ def _run_cluster(out: Path, tf_configs: list[str], *child_args: str, timeout: fl
     finally:
         for proc in procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                proc.kill()
                 proc.communicate(timeout=30)
-    for proc, (stdout, stderr) in zip(procs, outputs):
-        assert proc.returncode == 0, f"rc={proc.returncode}\n{stdout[-2000:]}\n{stderr[-6000:]}"
-    return outputs
+    done = [
+        subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        for proc, (stdout, stderr) in zip(procs, outputs)
+    ]
+    if check:
+        for proc in done:
+            assert proc.returncode == 0, (
+                f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+            )
+    return done
+
+
+def _workers_tf_configs(n: int = 2) -> list[str]:
+    """TF_CONFIG of each of `n` workers on free ports of 127.0.0.1 (as `launch` makes it)."""
+    ports = launch.free_ports(n)
+    return [launch.tf_config_for(ports, index) for index in range(n)]
 
 
 @pytest.mark.slow
@@ -985,9 +1032,10 @@ def test_chief_job_shape_and_keras_still_needs_the_workaround(tmp_path):
     ]
     outputs = _run_cluster(tmp_path, configs, "--probe-upstream")
     # A cluster started without the launcher: its chief says, once, what listens where.
-    warned = [stderr.count(f"{modes.EXPOSED} of its host") for _, stderr in outputs]
-    assert warned == [1, 0], [stderr[-3000:] for _, stderr in outputs]
-    assert f"127.0.0.1:{chief_port}, 127.0.0.1:{worker_port}), without auth" in outputs[0][1]
+    warned = [proc.stderr.count(f"{modes.EXPOSED} of its host") for proc in outputs]
+    assert warned == [1, 0], [proc.stderr[-3000:] for proc in outputs]
+    addresses = f"127.0.0.1:{chief_port}, 127.0.0.1:{worker_port}), without auth"
+    assert addresses in outputs[0].stderr
     chief, worker = _results(tmp_path)
     assert chief["is_chief"] is True and worker["is_chief"] is False
     assert chief["num_workers"] == worker["num_workers"] == 2
@@ -1049,25 +1097,25 @@ def test_workers_that_do_not_share_the_checkpoint_directory_fail_clearly(
     tmp_path, ckpt_dir, first_run
 ):
     """Worker 0 sees a checkpoint, worker 1 an empty directory: resuming would desync the
-    workers (or hang a collective), so both stop with a clear error before any step."""
+    workers (or hang a collective), so both stop with a clear error before any step.
+
+    Without the launcher (which would stop the second worker once the first failed): each
+    worker stops by itself."""
     import shutil
 
     shutil.copytree(ckpt_dir, tmp_path / "ckpt-0")
     (tmp_path / "ckpt-1").mkdir()
     out = tmp_path / "out"
     out.mkdir()
-    proc = _launch(
-        out,
-        "--epochs",
-        "2",
-        "--ckpt",
-        str(tmp_path / "ckpt-{rank}"),
-        launcher_args=("--grace", "3"),
-    )
-    assert proc.returncode != 0
-    text = proc.stdout + proc.stderr
-    assert "would resume from different checkpoints" in text
-    assert "on a filesystem shared by all workers" in text
+    procs = _run_cluster(
+        out, _workers_tf_configs(), "--epochs", "2", "--ckpt", str(tmp_path / "ckpt-{rank}"),
+        check=False,
+    )  # fmt: skip
+    for proc in procs:
+        assert proc.returncode != 0, proc.stderr[-4000:]
+        text = proc.stdout + proc.stderr
+        assert "would resume from different checkpoints" in text, text[-4000:]
+        assert "on a filesystem shared by all workers" in text
     assert not (out / "result-0.json").exists() and not (out / "result-1.json").exists()
 
 
@@ -1093,16 +1141,11 @@ def test_throughput_and_wandb_in_a_real_two_worker_run(first_run):
 @pytest.mark.timeout(600)
 def test_two_workers_accumulate_gradients_like_one_process_with_two_replicas(tmp_path):
     """Issue 15 item 5: `gradient_accumulation_steps=2` on 2 real workers (one replica
-    each) ends on the weights of 1 process with 2 replicas, same data order, and updates
-    the weights once every 2 micro-batches."""
+    each, started without the launcher) ends on the weights of 1 process with 2 replicas,
+    same data order, and updates the weights once every 2 micro-batches."""
     out, ref = tmp_path / "workers", tmp_path / "reference"
     child_args = ("--tiny", "--accumulate", "2")  # 8 micro-batches of 64: 4 updates
-    # On this host's network (the other real launches run in the default mode): the same
-    # weights, and one warning, the launcher's (the chief does not add its own).
-    proc = _launch(out, *child_args, launcher_args=("--network", "host"))
-    _ok(proc)
-    assert proc.stderr.count(modes.EXPOSED) == 1, proc.stderr[-6000:]
-    assert "keras-mirror-kit launch: WARNING: --network host: " in proc.stderr
+    _run_cluster(out, _workers_tf_configs(), *child_args)
     _ok(_one_process_two_replicas(ref, *child_args))
     expected = json.loads((ref / "result-0.json").read_text())
     assert expected["num_replicas"] == 2 and expected["strategy"] == "MirroredStrategy"

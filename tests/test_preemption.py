@@ -6,15 +6,19 @@ save changes nothing, the previous handlers come back after `fit` (also after a 
 raised), and outside the main thread training goes on with a warning.
 
 In subprocesses, SIGTERM at seeded moments (follows the jobs' progress markers, never the
-clock): one process, and one worker of two (the other one saves at the same step). Each
-run exits with status 75 and its newest checkpoint is the step it reached; each next run
-resumes from there; the last run ends with the uninterrupted weights (1e-6). The suite
-chains 3 trials of each kind; benchmarks/preemption_trials.py runs 10 separate ones.
+clock): one process, and one worker of two under `launch` (the other one saves at the same
+step). Each run exits with status 75 and its newest checkpoint is the step it reached;
+each next run resumes from there; the last run ends with the uninterrupted weights (1e-6).
+The 2-worker chain then goes on under `launch --max-restarts 3`, a seeded worker SIGKILLed
+at seeded moments in 3 attempts (every worker restarts, from the last checkpoint), and its
+4th attempt is that last run. The suite chains 3 trials of each kind;
+benchmarks/preemption_trials.py runs 10 separate ones.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import random
 import signal
@@ -225,10 +229,20 @@ def test_sigterm_at_seeded_moments_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_sigterm_to_one_of_two_workers_at_seeded_moments(tmp_path):
-    """3 chained 2-worker trials under `launch`: a seeded worker gets SIGTERM a seeded
-    number of steps into the run; both save at the same step and exit with status 75."""
+@pytest.mark.timeout(1800)
+def test_sigterms_then_sigkills_of_two_workers_at_seeded_moments(tmp_path):
+    """One 2-worker job (tests.mw_child --tiny) under `launch`, stopped at seeded moments:
+
+    - 3 chained launches: a seeded worker gets SIGTERM a seeded number of steps into the
+      run; both save at the same step and exit with status 75 (the launcher's status too);
+    - then `launch --max-restarts 3` resumes from there: in each of 3 attempts a seeded
+      worker is SIGKILLed after a seeded number of steps and every worker restarts; the
+      4th attempt trains to the end: the uninterrupted 2-worker weights (1e-6), and no
+      process of any run is left.
+
+    (The SIGKILL attempts were a job of their own, from an empty checkpoint, in
+    tests/test_launch_restarts.py; the SIGTERM chain ended with a launch of its own to
+    the end. Both ends were the same run of the same job: one run now ends both.)"""
     rng = random.Random(SEED + 1)
     reference = runs.mw_reference(tmp_path / "reference")
     ckpt = tmp_path / "ckpt"
@@ -255,14 +269,30 @@ def test_sigterm_to_one_of_two_workers_at_seeded_moments(tmp_path):
         assert global_step < runs.MW_STEPS - 1, "the seed left no room for the next trial"
         saved = global_step
         assert_none_left(stop["pids"])
-    out = tmp_path / "final"
-    done = runs.mw_to_the_end(out, ckpt)
-    assert done.returncode == 0, done.stderr[-6000:]
+
+    # The SIGKILLs: seeded as when they were a test of their own (random.Random(SEED)).
+    kills_rng = random.Random(SEED)
+    kills = [(kills_rng.randint(1, 4), kills_rng.randint(0, 1)) for _ in range(3)]
+    out = tmp_path / "job"
+    job = runs.restart_job(out, ckpt, kills, max_restarts=3)
+    assert job["returncode"] == 0, job["stderr"][-6000:]
+    err = job["stderr"]
+    for attempt, (_, victim) in enumerate(kills):
+        assert f"worker {victim} was killed by SIGKILL; restarting all 2 worker(s)" in err
+        assert f"(restart {attempt + 1} of --max-restarts 3)" in err
+    assert "attempt 4 of 4: starting 2 worker(s)" in err
+    # Its first attempt resumed where the last SIGTERM saved: the step count its victim
+    # wrote at the kill's marker is that step plus the steps it trained.
+    steps, victim = kills[0]
+    assert int((out / f"reached-0-{victim}").read_text()) == saved + steps
+    results = [json.loads((out / f"result-{rank}.json").read_text()) for rank in (0, 1)]
+    assert results[0]["restored_from"] is not None  # the last attempt resumed
+    assert results[0]["restored_from"] == results[1]["restored_from"]
+    assert results[0]["iterations"] == results[1]["iterations"] == runs.MW_STEPS
     last = f"e{runs.MW_EPOCHS - 1}_"
-    w0, w1 = (
-        runs.weights_of(out / "weights-0.npz", last),
-        runs.weights_of(out / "weights-1.npz", last),
-    )
+    w0 = runs.weights_of(out / "weights-0.npz", last)
+    w1 = runs.weights_of(out / "weights-1.npz", last)
     assert runs.max_diff(w0, w1) == 0.0
     assert runs.max_diff(w0, reference) <= TOLERANCE
-    assert_none_left(runs.recorded_pids(out))
+    assert len(set(job["pids"])) >= 8  # 2 workers in each of 4 attempts
+    assert_none_left(job["pids"])
