@@ -28,7 +28,8 @@ that prints a progress marker after every training step:
 training step BATCH of epoch EPOCH (the checkpoint callback's turn at that step included).
 
 `finish`, in this one process: runs the original script in WORK/original until its `fit`
-call (recorded, not run); the adopted script uninterrupted in WORK/reference; and the
+call (recorded, not run); the adopted script uninterrupted in WORK/reference, until its
+`fit` returned (what the script does after `fit` is checked on the resumed run); and the
 adopted script again in WORK/killed, which resumes from the killed run's checkpoints.
 Its RESULT line gives the restored step, the steps trained after it, the optimizer's
 iterations, the largest difference from the uninterrupted run's weights and from every
@@ -62,7 +63,8 @@ RUNS = {"original": 0, "killed": 1, "reference": 2, "resumed": 3}
 
 
 class StopAtFit(Exception):  # noqa: N818 (a signal to the runner, not an error)
-    """Raised by the recording `fit` of the original script: its data is all we need."""
+    """Raised by the recording `fit` of the original script (its data is all we need) and,
+    once its `fit` returned, of the uninterrupted run (its weights are all we need)."""
 
 
 class Recorder:
@@ -71,6 +73,7 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
         self.stop_at_fit = False
+        self.stop_after_fit = False
         self.kill_at: list[int] | None = None
         self.paused = False
         self.depth = 0  # > 0 inside a recorded call (validation inside fit is not recorded)
@@ -159,6 +162,8 @@ def install_patches() -> None:
         call["iterations"] = int(self.optimizer.iterations.numpy())
         call["trained"] = progress.trained
         call["history"] = {k: [float(v) for v in vs] for k, vs in history.history.items()}
+        if RECORDER.stop_after_fit:
+            raise StopAtFit
         return history
 
     def recorded(method: str, original: Any) -> Any:
@@ -439,8 +444,10 @@ def finish(spec: dict[str, Any]) -> int:
     RECORDER.stop_at_fit = False
 
     RECORDER.calls = []
+    RECORDER.stop_after_fit = True  # the script's own steps after fit: checked on the resumed
     run_script(spec["adopted"], spec["data"], work / "reference", "reference")
     reference = _fit_call("reference")
+    RECORDER.stop_after_fit = False
 
     RECORDER.calls = []
     namespace = run_script(spec["adopted"], spec["data"], work / "killed", "resumed")

@@ -10,7 +10,7 @@ import keras_mirror_kit as kmk
 from tests import models
 
 RNG = np.random.default_rng(0)
-X = RNG.normal(size=(2560, 6)).astype("float32")
+X = RNG.normal(size=(640, 6)).astype("float32")
 Y = (X[:, 0] > 0).astype("int32")
 
 
@@ -41,11 +41,11 @@ def samples_per_step(monitor: kmk.ThroughputMonitor) -> float:
 def test_arrays_without_batch_size_train_at_the_global_batch_size(model):
     monitor = kmk.ThroughputMonitor(warmup_steps=0)
     model.fit(X, Y, epochs=1, verbose=0, callbacks=[monitor])
-    assert int(model.optimizer.iterations.numpy()) == 2560 // 64  # not 2560 // 32
+    assert int(model.optimizer.iterations.numpy()) == 640 // 64  # not 640 // 32
     assert samples_per_step(monitor) == pytest.approx(64)
     counter = EvaluatedBatches()
     model.evaluate(X, Y, verbose=0, callbacks=[counter])
-    assert counter.test_batches == 2560 // 64
+    assert counter.test_batches == 640 // 64
     assert len(model.predict(X[:200], verbose=0)) == 200
 
 
@@ -53,7 +53,7 @@ def test_arrays_without_batch_size_train_at_the_global_batch_size(model):
 def test_a_batch_size_given_with_arrays_is_honoured_and_counted(model):
     monitor = kmk.ThroughputMonitor(warmup_steps=0)
     model.fit(X, Y, batch_size=32, epochs=1, verbose=0, callbacks=[monitor])
-    assert int(model.optimizer.iterations.numpy()) == 2560 // 32
+    assert int(model.optimizer.iterations.numpy()) == 640 // 32
     assert samples_per_step(monitor) == pytest.approx(32)
     assert monitor.summary()["global_batch_size"] == 32
 

@@ -1,5 +1,6 @@
 """`SyncedCheckpoint(async_save=True)` (issue 12 item 3): a snapshot at the step boundary,
-written in a background thread while training goes on; one write at a time; a failed write
+copied into host staging arrays allocated once per fit, written in a background thread
+while training goes on; one write at a time; a failed write
 raised as `CheckpointWriteError` at the next step or at the end of `fit`. Kills during a
 background write: tests/test_checkpoint_crash.py (both modes)."""
 
@@ -46,6 +47,11 @@ def _arrays(store: CheckpointStore, entry):
 def test_background_writes_hold_the_state_of_their_step_while_training_goes_on(
     tmp_path, monkeypatch
 ):
+    """...and the snapshots are copied into staging arrays allocated once per fit: one host
+    copy of the state, allocated at the start of fit, reused by every save (no fresh memory
+    at a save), freed when fit returns; each file holds its own step's state."""
+    from keras_mirror_kit.checkpoint.state import state_variables
+
     model, ds = build("adam"), dataset()
     sync = SyncedCheckpoint(tmp_path / "sync", save_freq=2, keep=100, dataset=ds)
     model.fit(ds, epochs=2, verbose=0, callbacks=[sync])
@@ -78,9 +84,21 @@ def test_background_writes_hold_the_state_of_their_step_while_training_goes_on(
     checkpoint = SyncedCheckpoint(
         tmp_path / "async", save_freq=2, keep=100, dataset=ds, async_save=True
     )
-    model.fit(ds, epochs=2, verbose=0, callbacks=[steps, checkpoint])
+    seen: list[tuple[int, list]] = []
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            staging = checkpoint._staging  # noqa: SLF001
+            seen.append((staging.nbytes, list(staging._arrays)))  # noqa: SLF001
+
+    model.fit(ds, epochs=2, verbose=0, callbacks=[steps, checkpoint, Watch()])
     monkeypatch.undo()
     assert not checkpoint._writer.pending  # noqa: SLF001  (fit waited for the last one)
+    state = sum(v.numpy().nbytes for _, v in state_variables(model))
+    assert {nbytes for nbytes, _ in seen} == {state}  # from the first step on, never more
+    first = seen[0][1]  # the same array objects at every step, every save included
+    assert all(len(a) == len(first) and all(x is y for x, y in zip(a, first)) for _, a in seen)
+    assert checkpoint._staging.nbytes == 0  # noqa: SLF001  (freed after fit)
 
     ours, theirs = CheckpointStore(tmp_path / "async"), CheckpointStore(tmp_path / "sync")
     assert [e.file for e in ours.entries()] == [e.file for e in theirs.entries()]
@@ -92,6 +110,10 @@ def test_background_writes_hold_the_state_of_their_step_while_training_goes_on(
         if not steps.ended or meta.global_step < 12:
             assert step_at_write > meta.global_step  # training had gone on
         assert max_diff(values, sync_values) <= 1e-6, name  # the state of its own step
+    global_steps = [ours.read(e).meta.global_step for e in ours.entries()]
+    assert len(global_steps) >= 4 and global_steps == sorted(set(global_steps))  # distinct
+    _, last = _arrays(ours, ours.entries()[-1])
+    assert max_diff(last, [v.numpy() for _, v in state_variables(model)]) == 0.0
 
 
 class BreakManifest(keras.callbacks.Callback):
@@ -176,34 +198,6 @@ def test_the_writer_thread_yields_the_cpu_to_training():
     assert seen["nice"] == WRITER_NICE == 19
     # Only the writer thread: the training thread keeps its priority.
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
-
-
-@pytest.mark.slow
-def test_snapshots_are_copied_into_staging_arrays_allocated_once_per_fit(tmp_path):
-    """One host copy of the state, allocated at the start of fit, reused by every save (no
-    fresh memory at a save), freed when fit returns; each file holds its own step's state."""
-    from keras_mirror_kit.checkpoint.state import state_variables
-
-    model, ds = build("adam"), dataset()
-    checkpoint = SyncedCheckpoint(tmp_path, save_freq=2, keep=100, dataset=ds, async_save=True)
-    seen: list[tuple[int, list]] = []
-
-    class Watch(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            staging = checkpoint._staging  # noqa: SLF001
-            seen.append((staging.nbytes, list(staging._arrays)))  # noqa: SLF001
-
-    model.fit(ds, epochs=2, verbose=0, callbacks=[checkpoint, Watch()])
-    state = sum(v.numpy().nbytes for _, v in state_variables(model))
-    assert {nbytes for nbytes, _ in seen} == {state}  # from the first step on, never more
-    first = seen[0][1]  # the same array objects at every step, every save included
-    assert all(len(a) == len(first) and all(x is y for x, y in zip(a, first)) for _, a in seen)
-    assert checkpoint._staging.nbytes == 0  # noqa: SLF001  (freed after fit)
-    store = CheckpointStore(tmp_path)
-    steps = [store.read(e).meta.global_step for e in store.entries()]
-    assert len(steps) >= 4 and steps == sorted(set(steps))  # distinct states, in order
-    _, last = _arrays(store, store.entries()[-1])
-    assert max_diff(last, [v.numpy() for _, v in state_variables(model)]) == 0.0
 
 
 def test_host_staging_reuses_its_arrays_and_follows_shape_changes():

@@ -4,7 +4,9 @@ compares the copies on their devices, and files written by keras-mirror-kit 0.1.
 piece) and by the code before the checkpoint package still resume exactly.
 
 Host memory is measured with `tracemalloc`, which sees NumPy's buffers and Python's bytes
-(everything a save or a restore copies to the host), not TensorFlow's own tensors.
+(everything a save or a restore copies to the host), not TensorFlow's own tensors. The
+uninterrupted run the old files are compared with (`reference`) and the big model the
+save is measured on (`big_model`) are made once for the module.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import shutil
 import tracemalloc
 import zipfile
 from pathlib import Path
+from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -111,9 +114,11 @@ def test_a_save_and_a_restore_hold_about_one_array_not_the_state(tmp_path):
     assert store.read(entry).meta.epoch == 1
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_a_save_of_the_callback_copies_one_variable_at_a_time_to_the_host(tmp_path, async_save):
+@pytest.fixture(scope="module")
+def big_model():
+    """A 2-replica Adam model of about 3.3M weights (a 40 MiB state), shared by the two
+    modes below: the second fit goes on from the first one's weights (same variables)."""
+
     @kmk.distributed(global_batch_size=16)
     def big():
         keras.utils.set_random_seed(1)
@@ -125,7 +130,15 @@ def test_a_save_of_the_callback_copies_one_variable_at_a_time_to_the_host(tmp_pa
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
         return model
 
-    model = big()
+    return big()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_of_the_callback_copies_one_variable_at_a_time_to_the_host(
+    tmp_path, async_save, big_model
+):
+    model = big_model
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(32, 256)).astype("float32"), rng.integers(0, 3, 32)
     mode = {"async_save": True} if async_save else {}  # the default: synchronous
@@ -177,17 +190,30 @@ def test_the_replica_check_brings_only_scalars_to_the_host():
         check_replicas(model, named, atol=1e-2)
 
 
+class Reference(NamedTuple):
+    weights: list[np.ndarray]
+    directory: Path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The run the old files were stopped in, uninterrupted (read-only: its weights, and
+    its directory, whose files are compared with the old ones)."""
+    directory = tmp_path_factory.mktemp("reference") / "ckpt"
+    model, ds = build("adam"), dataset()
+    uninterrupted = SyncedCheckpoint(directory, save_freq=4, dataset=ds)
+    model.fit(ds, epochs=3, verbose=0, callbacks=[uninterrupted])
+    return Reference(model.get_weights(), directory)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("written_by", sorted(OLD_FILES))
-def test_checkpoints_written_by_earlier_versions_resume_exactly(tmp_path, written_by):
+def test_checkpoints_written_by_earlier_versions_resume_exactly(tmp_path, written_by, reference):
     """tests/data/ckpt-v0.1.0 was written by keras-mirror-kit 0.1.0 (commit 7cdaa18: the
     whole .npz built in memory, a SHA-256 per file in the manifest), tests/data/ckpt-ee9bcb3
     by commit ee9bcb3 (streamed, a CRC-32 of the members), the code before the checkpoint
     package; both with tests.ckpt_helpers' Adam model, dataset(), save_freq=4, fit(epochs=3)
     stopped by StopAt(1, 4). Their newest checkpoint is epoch 1, batch 2."""
-    reference, ds = build("adam"), dataset()
-    uninterrupted = SyncedCheckpoint(tmp_path / "reference", save_freq=4, dataset=ds)
-    reference.fit(ds, epochs=3, verbose=0, callbacks=[uninterrupted])
     directory = tmp_path / "ckpt"
     shutil.copytree(OLD_FILES[written_by], directory)
     model, ds, counter = build("adam", seed=77), dataset(), CountBatches()
@@ -199,11 +225,11 @@ def test_checkpoints_written_by_earlier_versions_resume_exactly(tmp_path, writte
     assert (restored.meta["epoch"], restored.meta["step"]) == (1, 2)  # the mapping view
     assert counter.batches == 4 + 6  # the rest of epoch 1, then epoch 2
     assert int(model.optimizer.iterations.numpy()) == 18
-    assert max_diff(reference.get_weights(), model.get_weights()) <= 1e-6
+    assert max_diff(reference.weights, model.get_weights()) <= 1e-6
     # A save now writes what that version wrote: the same arrays, metadata keys (in order;
     # 0.1.0 did not record the architecture) and manifest keys (0.1.0: a SHA-256).
     files = []
-    for folder in (tmp_path / "reference", OLD_FILES[written_by]):
+    for folder in (reference.directory, OLD_FILES[written_by]):
         listed = json.loads((folder / "manifest.json").read_text())["checkpoints"][-1]
         files.append((listed, folder / listed["file"]))
     (now, new), (then, old) = files

@@ -1,19 +1,24 @@
-"""benchmarks/gpu_selftest.py runs to completion without a GPU: CPU checks pass, GPU ones skip."""
+"""benchmarks/gpu_selftest.py runs to completion without a GPU: CPU checks pass, GPU ones skip.
+
+The script runs as a child forked from the tests' zygote (`tests/forkserver.py`), so each
+check's fresh process, which the script starts with `subprocess.run`, is forked from the
+zygote too: the same script and checks, without a TensorFlow import per check.
+"""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
+from tests import forkserver
 from tests.subproc import REPO
 
 pytestmark = pytest.mark.slow  # every test here starts children or trains for long
 
 
 def test_the_gpu_selftest_runs_on_a_cpu_and_says_what_it_skipped():
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, str(REPO / "benchmarks" / "gpu_selftest.py"), "--timeout", "400"],
         capture_output=True,
         text=True,

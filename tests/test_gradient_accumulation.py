@@ -2,7 +2,9 @@
 
 The accumulating run (per-replica batch 16, N = 4) must follow the large-batch run
 (per-replica batch 64, N = 1) on the same data order; the batch and learning-rate
-arithmetic, warmup, throughput and checkpoints must count optimizer updates.
+arithmetic, warmup, throughput and checkpoints must count optimizer updates. The crash and
+the SIGKILL trials resume to the weights of one uninterrupted run of the same job, made once
+here (`uninterrupted`).
 """
 
 from __future__ import annotations
@@ -207,8 +209,26 @@ def test_throughput_counts_micro_batches_and_reports_updates():
     assert "updates_per_sec" not in monitor.last
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[np.ndarray]:
+    """The weights of the checkpointed job run to its end (3 epochs of 6 micro-batches, N = 4,
+    a save every 3): `python -m tests.ckpt_child DIR OUT --epochs 3 --save-freq 3
+    --accumulate 4` without a kill, on this process's 2 replicas."""
+    from tests.accum_helpers import SAVE_FREQ, build_accumulating
+
+    reference = build_accumulating("adam", ACCUMULATE)
+    ds = dataset()  # the same data order: a checkpoint callback drives the dataset's epochs
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    checkpoint = SyncedCheckpoint(directory, save_freq=SAVE_FREQ, dataset=ds)
+    reference.fit(ds, epochs=3, verbose=0, callbacks=[checkpoint])
+    assert int(reference.optimizer._iterations.numpy()) == STEPS
+    return reference.get_weights()
+
+
 @pytest.mark.slow
-def test_a_partial_accumulation_is_saved_alike_on_every_replica_and_resumed(tmp_path):
+def test_a_partial_accumulation_is_saved_alike_on_every_replica_and_resumed(
+    tmp_path, uninterrupted
+):
     """A crash between two updates: the accumulators (equal on both replicas) and the
     micro-batch counter are in the checkpoint; the resume ends on the uninterrupted run."""
     from tests.accum_helpers import SAVE_FREQ, build_accumulating
@@ -224,10 +244,6 @@ def test_a_partial_accumulation_is_saved_alike_on_every_replica_and_resumed(tmp_
     accumulated = [np.abs(v.numpy()).max() for v in optimizer._accumulated_gradients]
     assert max(accumulated) > 0  # mid-accumulation: something to lose
 
-    reference = build_accumulating("adam", 4)
-    ds = dataset()  # the same data order: a checkpoint callback drives the dataset's epochs
-    checkpoint = SyncedCheckpoint(tmp_path / "reference", save_freq=SAVE_FREQ, dataset=ds)
-    reference.fit(ds, epochs=3, verbose=0, callbacks=[checkpoint])
     crashed = build_accumulating("adam", 4)
     ds = dataset()
     checkpoint = SyncedCheckpoint(tmp_path / "ckpt", save_freq=SAVE_FREQ, dataset=ds)
@@ -239,7 +255,7 @@ def test_a_partial_accumulation_is_saved_alike_on_every_replica_and_resumed(tmp_
     resumed.fit(ds, epochs=3, verbose=0, callbacks=[checkpoint])
     assert checkpoint.last_restored.meta["global_step"] == 1  # 6 micro-batches: mid-update
     assert int(resumed.optimizer._iterations.numpy()) == 18
-    assert max_diff(resumed.get_weights(), reference.get_weights()) <= 1e-6
+    assert max_diff(resumed.get_weights(), uninterrupted) <= 1e-6
 
 
 # -- SIGKILL between two updates (N = 4), seeded trials -------------------------------------
@@ -274,13 +290,16 @@ def _weights(path):
         return [npz[k] for k in sorted(npz.files, key=lambda k: int(k.split("_")[1]))]
 
 
-def kill_trials(root, trials: int, seed: int = SEED) -> list[dict]:
-    """Runs the uninterrupted job, then `trials` jobs each killed (SIGKILL) right after a
-    seeded step between two updates, resumes them all in one process and compares."""
+def kill_trials(root, trials: int, seed: int = SEED, expected=None) -> list[dict]:
+    """Runs the uninterrupted job (unless its final weights are given as `expected`), then
+    `trials` jobs each killed (SIGKILL) right after a seeded step between two updates,
+    resumes them all in one process and compares."""
     steps = random.Random(seed).sample(KILL_STEPS, trials)
-    reference = _child(root / "ref" / "ckpt", root / "ref.npz")
-    _, err = reference.communicate(timeout=300)
-    assert reference.returncode == 0, err[-3000:]
+    if expected is None:
+        reference = _child(root / "ref" / "ckpt", root / "ref.npz")
+        _, err = reference.communicate(timeout=300)
+        assert reference.returncode == 0, err[-3000:]
+        expected = _weights(root / "ref.npz")
     directories = []
     for trial, step in enumerate(steps):
         directory, marker = root / f"t{trial}" / "ckpt", root / f"t{trial}" / "marker"
@@ -305,7 +324,6 @@ def kill_trials(root, trials: int, seed: int = SEED) -> list[dict]:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
-    expected = _weights(root / "ref.npz")
     rows = []
     for step, directory in zip(steps, directories):
         result = results[directory]
@@ -324,9 +342,9 @@ def kill_trials(root, trials: int, seed: int = SEED) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_sigkill_between_two_updates_resumes_to_the_uninterrupted_weights(tmp_path):
+def test_sigkill_between_two_updates_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted):
     """3 seeded trials here; `benchmarks/accumulation_kill_trials.py` runs all 10."""
-    rows = kill_trials(tmp_path, SUITE_TRIALS)
+    rows = kill_trials(tmp_path, SUITE_TRIALS, expected=uninterrupted)
     assert any(r["restored_step"] is not None and r["restored_step"] % ACCUMULATE for r in rows)
     for row in rows:
         killed = row["killed_after_step"]

@@ -9,7 +9,8 @@
   in process, without TensorFlow.
 * Image and text folders (`image_dataset_from_directory`, `text_dataset_from_directory`):
   a decompression-bomb PNG, a GIF of many frames, a bomb named `.jpg`, symbolic-link loops;
-  one TensorFlow child runs them in sequence, reporting each as a JSON line.
+  one TensorFlow child (forked from the tests' zygote) runs them in sequence, reporting
+  each as a JSON line, with its peak RSS after each.
 
 Every file is written here; nothing downloads.
 """
@@ -41,6 +42,7 @@ from keras_mirror_kit.data.image_headers import (
 )
 from keras_mirror_kit.datasets.bounded_tar import TarFormatError, iter_members
 from keras_mirror_kit.datasets.safe_pickle import PickleBoundsError, safe_loads
+from tests import forkserver
 from tests.test_datasets_cifar10 import (
     FOLDER,
     _py2_int,
@@ -579,6 +581,11 @@ def test_unreadable_headers_are_clear_errors(blob: bytes, match: str) -> None:
 FOLDER_CHILD = """
 import json, resource, sys
 import keras_mirror_kit as kmk
+try:  # a forked child starts with its parent's peak: measure from this process's own start
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:  # a sandbox without it: the parent's peak stays in, as after an exec
+    pass
 for case in json.loads(sys.argv[1]):
     load = getattr(kmk, case["loader"])
     try:
@@ -648,11 +655,11 @@ def folder_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[s
         {"name": n, "loader": f, "dir": str(d), "kwargs": k, "iterate": i}
         for n, f, d, k, i in cases
     ]
-    proc = subprocess.run(
+    proc = forkserver.run(  # forked from the tests' zygote: TensorFlow already imported
         [sys.executable, "-c", FOLDER_CHILD, json.dumps(spec)],
         capture_output=True,
         text=True,
-        timeout=120,  # seconds of TensorFlow import and a few builds: about 10 s here
+        timeout=120,  # a bound for a stuck child: the builds take a few seconds
         env=CHILD_ENV,
     )
     results = {}

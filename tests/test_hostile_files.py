@@ -8,10 +8,11 @@ as whoever made it would write. Each goes through the real entry points:
   cannot blow memory or hang; one cheap child per case (no TensorFlow) under
   `RLIMIT_AS` and a timeout for those that could, its peak RSS within 100 MiB of a good
   directory's;
-* `fit` resuming with `SyncedCheckpoint`, and `kmk.restore` with `ckpt export`: two
-  TensorFlow children (slow tier) of several cases each, whose peak memory per case
-  (`tracemalloc`, which NumPy reports to) is compared with a good case's, under a watchdog
-  that ends the child should its memory run away.
+* `fit` resuming with `SyncedCheckpoint`, and `kmk.restore` with `ckpt export`: one
+  TensorFlow child (slow tier, one test) that trains the good directory once and
+  runs every case of both in turn, each in a copy of its own, whose peak memory per case
+  (`tracemalloc`, which NumPy reports to) is compared with a good case's of the same
+  kind, under a watchdog that ends the child should its memory run away.
 
 Outside the directory, a file a link points to is never read (the model never gets its
 weights; a FIFO there is never opened, which would hang), written or deleted (its bytes
@@ -684,7 +685,7 @@ def test_verify_of_a_file_that_could_blow_memory_or_hang_answers_within_bounds(
     assert outside_files(outside) == before
 
 
-# -- fit, restore and export: TensorFlow children, several cases each -----------------------------
+# -- fit, restore and export: one TensorFlow child, every case in turn ----------------------------
 
 
 def watchdog(limit: int = 2 * GIB) -> None:
@@ -760,18 +761,18 @@ def measured(action):
     return value, {"error": error and error[:600], "peak": peak, "warnings": said}
 """
 
-_FIT_CHILD = (
-    _CHILD_START
-    + """
+_FIT_PART = """
 class Probe(keras.callbacks.Callback):  # the state restored, before any step
     weights = None
     def on_train_begin(self, logs=None):
         self.weights = [np.array(v.numpy()) for v in self.model.variables]
 
+FIT_ROOT = ROOT / "fit"  # each case in a copy of the good directory of its own
+FIT_ROOT.mkdir()
 results, model = {}, build("adam", seed=77)  # one model: its train function is traced once
 start = [np.array(v.numpy()) for v in model.variables]
 for case in @CASES@:
-    directory, outside, before = prepare(ROOT, good, case)
+    directory, outside, before = prepare(FIT_ROOT, good, case)
     for variable, value in zip(model.variables, start):
         variable.assign(value)
     probe, checkpoint = Probe(), kmk.SyncedCheckpoint(directory)
@@ -785,9 +786,8 @@ for case in @CASES@:
         outside_same=outside_files(outside) == before,
     )
     results[case] = result
-print("RESULT " + json.dumps(results))
+fit_results = results
 """
-)
 
 # case: (checkpoint restored, what its warning says, or the error of fit)
 FIT = {
@@ -805,9 +805,12 @@ FIT = {
 }
 
 
-def _child(code: str, tmp_path: Path, cases: list[str]) -> dict:
-    code = code.replace("@ROOT@", repr(str(tmp_path))).replace("@CASES@", repr(cases))
-    return last_json(run_python(code, timeout=300))
+def _tensorflow_child(root: Path) -> dict:
+    """The fit, restore and export cases, run in one TensorFlow child: their results."""
+    code = _CHILD_START + _FIT_PART + _RESTORE_PART + _CHILD_END
+    code = code.replace("@ROOT@", repr(str(root))).replace("@CASES@", repr(list(FIT)))
+    code = code.replace("@RESTORE@", repr(list(RESTORE))).replace("@EXPORT@", repr(list(EXPORT)))
+    return last_json(run_python(code, timeout=600))
 
 
 def _within_100_mib(results: dict, key: str = "peak") -> None:
@@ -816,9 +819,8 @@ def _within_100_mib(results: dict, key: str = "peak") -> None:
     assert not over, (good, over)
 
 
-@pytest.mark.slow
-def test_fit_resumes_from_the_previous_checkpoint_and_never_from_outside(tmp_path):
-    results = _child(_FIT_CHILD, tmp_path, list(FIT))
+def _check_fit(results: dict) -> None:
+    """`fit` resumes from the newest checkpoint it can read, never from a file outside."""
     for case, (restored, says) in FIT.items():
         result = results[case]
         assert result["outside_same"], case
@@ -838,13 +840,13 @@ def test_fit_resumes_from_the_previous_checkpoint_and_never_from_outside(tmp_pat
     _within_100_mib(results)
 
 
-_RESTORE_CHILD = (
-    _CHILD_START
-    + """
+_RESTORE_PART = """
+RESTORE_ROOT = ROOT / "restore"  # copies of their own, untouched by the fit cases
+RESTORE_ROOT.mkdir()
 results = {}
 model = build("adam", seed=77)
 for case in @RESTORE@:
-    directory, outside, before = prepare(ROOT, good, case)
+    directory, outside, before = prepare(RESTORE_ROOT, good, case)
     loaded, result = measured(lambda: kmk.restore(model, directory))
     values = [np.array(v.numpy()) for v in model.variables]
     result.update(
@@ -855,10 +857,10 @@ for case in @RESTORE@:
     results[case] = result
 exports = {}
 for case, name in @EXPORT@:
-    directory = ROOT / case
+    directory = RESTORE_ROOT / case
     if not directory.exists():
-        prepare(ROOT, good, case)
-    to = ROOT / f"{case}-{name}.keras"
+        prepare(RESTORE_ROOT, good, case)
+    to = RESTORE_ROOT / f"{case}-{name}.keras"
     err = io.StringIO()
     def export():
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -869,12 +871,13 @@ for case, name in @EXPORT@:
     if to.exists():
         exported = keras.saving.load_model(to, compile=False)
         weights = which([np.array(v.numpy()) for v in exported.variables],
-                        candidates(ROOT / f"{case}-outside"))
+                        candidates(RESTORE_ROOT / f"{case}-outside"))
     result.update(code=code, stderr=err.getvalue()[-1500:], exported_is=weights)
     exports[f"{case}:{name}"] = result
-print("RESULT " + json.dumps({"restore": results, "export": exports}))
 """
-)
+_CHILD_END = """
+print("RESULT " + json.dumps({"fit": fit_results, "restore": results, "export": exports}))
+"""
 
 # case: (checkpoint restored, what its warning says)
 RESTORE = {
@@ -900,11 +903,8 @@ EXPORT = {
 }  # fmt: skip
 
 
-@pytest.mark.slow
-def test_restore_and_export_never_load_a_file_from_outside_and_say_what_is_wrong(tmp_path):
-    code = _RESTORE_CHILD.replace("@RESTORE@", repr(list(RESTORE)))
-    code = code.replace("@EXPORT@", repr(list(EXPORT)))
-    results = _child(code, tmp_path, [])
+def _check_restore_and_export(results: dict) -> None:
+    """`kmk.restore` and `ckpt export` never load a file from outside, and say what is wrong."""
     for case, (restored, says) in RESTORE.items():
         result = results["restore"][case]
         assert result["error"] is None and result["outside_same"], (case, result)
@@ -926,3 +926,12 @@ def test_restore_and_export_never_load_a_file_from_outside_and_say_what_is_wrong
     _within_100_mib({"benign": results["export"]["benign:"], **{
         k: v for k, v in results["export"].items() if v["code"] == 0
     }})  # fmt: skip
+
+
+@pytest.mark.slow
+def test_fit_restore_and_export_never_read_a_file_from_outside_and_say_what_is_wrong(tmp_path):
+    """One TensorFlow child trains the good directory, then runs every `fit` case and every
+    `kmk.restore` and `ckpt export` case, each on a hostile copy of its own."""
+    results = _tensorflow_child(tmp_path)
+    _check_fit(results["fit"])
+    _check_restore_and_export(results)

@@ -4,15 +4,17 @@ Each example's keras-io code is embedded below (its code cells in order; its she
 the downloads, are left out). For each example the test reads the ```diff block of its
 section in docs/keras-io-examples.md, applies it to that code (so the page cannot drift
 from what runs), counts its edits, shrinks a few constants (listed per example: image
-size, batch, epochs, vocabulary; the data is generated here, in the example's formats and
+size, batch, epochs, vocabulary, and the image example's network to its first residual
+block at narrower widths; the data is generated here, in the example's formats and
 folder layout, tens of samples), and runs two children (`tests/keras_io_child.py`, forked
 from the tests' zygote, 2 replicas simulated on the CPU):
 
 1. the adopted script, SIGKILLed right after the first training step of its second epoch
    (the child follows its own progress marker after each step, never a timer);
 2. one process that records the original script's `fit` data (the original stops at its
-   `fit` call), runs the adopted script uninterrupted, then runs it again where it was
-   killed: it resumes from the killed run's checkpoint.
+   `fit` call), runs the adopted script uninterrupted (it stops once its `fit` returned),
+   then runs it again where it was killed: it resumes from the killed run's checkpoint
+   and runs to the script's end.
 
 Checked per example: (a) at most 10 edits, and the counts the page states (a fast test,
 no child); (b) the validation samples `fit` evaluates equal the original's (in order
@@ -21,10 +23,11 @@ them); (c) one epoch of the training data holds exactly the original's training 
 each once; (d) the resumed run restored the step it was killed at, trained only the
 steps after it, and ends on the uninterrupted run's weights bit for bit, every replica's
 copy of them too, with the same validation logs for the last epoch; (e) the example's
-own steps after `fit` ran (predict on one sample, evaluate) with finite results, and the
-fitted model saved to `.keras` loads back with `keras.models.load_model` and predicts
-and evaluates the same. The adopted script's runs give NumPy's global generator another
-seed each (`tests/keras_io_child.py`), so data drawn from it unseeded fails (d).
+own steps after `fit` ran in the resumed run (predict on one sample, evaluate) with
+finite results, and the fitted model saved to `.keras` loads back with
+`keras.models.load_model` and predicts and evaluates the same. The adopted script's runs
+give NumPy's global generator another seed each (`tests/keras_io_child.py`), so data
+drawn from it unseeded fails (d).
 """
 
 from __future__ import annotations
@@ -929,6 +932,12 @@ EXAMPLES = {
             ("image_size = (180, 180)", "image_size = (24, 24)"),
             ("batch_size = 128", "batch_size = 10"),  # the plots show 9 images of a batch
             ("epochs = 25", "epochs = 2"),
+            # The network: the first of its three residual blocks, every layer 8 to 16
+            # times narrower (each layer kind of the example stays; tracing the training
+            # step on 2 replicas costs by the layer, the checkpoints by the weight).
+            ("layers.Conv2D(128, 3, strides=2", "layers.Conv2D(16, 3, strides=2"),
+            ("for size in [256, 512, 728]:", "for size in [32]:"),
+            ("layers.SeparableConv2D(1024, 3", "layers.SeparableConv2D(64, 3"),
         ],
         train_identity="color",
         after_fit=(("predict", [1, 1]),),

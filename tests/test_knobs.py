@@ -1,4 +1,10 @@
-"""The knobs: synchronized BatchNorm, mixed precision and steps_per_execution (2 replicas)."""
+"""The knobs: synchronized BatchNorm, mixed precision and steps_per_execution (2 replicas).
+
+The steps_per_execution=4 model of the factory serves the three tests of its checks (counts
+are taken relative to its steps before); the checkpoint-resume cases share one uninterrupted
+run (steps_per_execution changes no arithmetic: 3 and 4 end on the same weights, bit for
+bit).
+"""
 
 from __future__ import annotations
 
@@ -47,7 +53,7 @@ def train_bn(devices, sync, initial=None):
     if initial is not None:
         model.set_weights(initial)
     start = [w.copy() for w in model.get_weights()]
-    model.fit(kmk.make_dataset(X, Y, 32, seed=4), epochs=3, verbose=0)
+    model.fit(kmk.make_dataset(X, Y, 32, seed=4), epochs=1, verbose=0)  # 8 steps
     return model, start
 
 
@@ -181,16 +187,27 @@ def spe_factory(steps, compile_steps=1, optimizer="adam"):
     return build
 
 
+@pytest.fixture(scope="module")
+def spe4_model():
+    """`spe_factory(4)()`, shared by the tests of steps_per_execution's checks."""
+    return spe_factory(4)()
+
+
+def _steps(model) -> int:
+    return int(model.optimizer.iterations.numpy())
+
+
 @pytest.mark.slow
-def test_steps_per_execution_is_picked_up_by_the_factorys_compile(tmp_path):
-    model = spe_factory(4)()
+def test_steps_per_execution_is_picked_up_by_the_factorys_compile(tmp_path, spe4_model):
+    model = spe4_model
     assert model.steps_per_execution == 4
     assert spe_factory("auto")().steps_per_execution == 8
     assert spe_factory(None, compile_steps=3)().steps_per_execution == 3
     with pytest.raises(ValueError, match="Pass it in one place only"):
         spe_factory(4, compile_steps=3)()
+    before = _steps(model)
     model.fit(kmk.make_dataset(X, Y, 16, seed=0), epochs=1, verbose=0)
-    assert int(model.optimizer.iterations.numpy()) == 16  # 256 / 16, partial execution ok
+    assert _steps(model) == before + 16  # 256 / 16, partial execution ok
     model.save(tmp_path / "m.keras")
     assert keras.saving.load_model(tmp_path / "m.keras").steps_per_execution == 4
 
@@ -206,15 +223,16 @@ def test_keras_still_rounds_epochs_up():
 
 
 @pytest.mark.slow
-def test_steps_per_epoch_that_keras_would_round_up_is_rejected_before_training():
-    model = spe_factory(4)()
-    counter = CountBatches()
+def test_steps_per_epoch_that_keras_would_round_up_is_rejected_before_training(spe4_model):
+    model, counter = spe4_model, CountBatches()
     data = kmk.make_dataset(X, Y, 16, seed=0).repeat()
+    before = _steps(model)
     with pytest.raises(ValueError, match="steps_per_epoch=10 is not a multiple") as info:
         model.fit(data, steps_per_epoch=10, epochs=1, verbose=0, callbacks=[counter])
     assert "steps_per_epoch=8 or 12" in str(info.value) and counter.batches == 0
+    assert _steps(model) == before
     model.fit(data, steps_per_epoch=12, epochs=2, verbose=0)
-    assert int(model.optimizer.iterations.numpy()) == 24
+    assert _steps(model) == before + 24
 
 
 class EvaluatedSteps(keras.callbacks.Callback):
@@ -253,10 +271,10 @@ def test_keras_still_rounds_evaluation_steps_up():
 
 
 @pytest.mark.slow
-def test_evaluation_steps_that_keras_would_round_up_are_rejected_before_any_step():
-    model = spe_factory(4)()
+def test_evaluation_steps_that_keras_would_round_up_are_rejected_before_any_step(spe4_model):
+    model = spe4_model
     data = kmk.make_dataset(X, Y, 16, seed=0).repeat()
-    counter, steps = CountBatches(), EvaluatedSteps()
+    counter, steps, before = CountBatches(), EvaluatedSteps(), _steps(spe4_model)
     with pytest.raises(ValueError, match="steps=10 is not a multiple") as info:
         model.evaluate(data, steps=10, verbose=0, callbacks=[counter, steps])
     assert "steps=8 or 12" in str(info.value)
@@ -271,28 +289,36 @@ def test_evaluation_steps_that_keras_would_round_up_are_rejected_before_any_step
             callbacks=[counter, steps],
         )
     assert counter.batches == steps.test_batches == 0
-    assert int(model.optimizer.iterations.numpy()) == 0
+    assert _steps(model) == before
     model.evaluate(data, steps=8, verbose=0, callbacks=[steps])
     assert steps.test_batches == 8
 
 
+def _resume_data():
+    return kmk.make_dataset(X, Y, 16, seed=9)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """3 epochs with steps_per_execution=4 and a checkpoint every execution, uninterrupted:
+    the weights both resumed runs below must end on."""
+    reference, ds = spe_factory(4)(), _resume_data()
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    reference.fit(
+        ds, epochs=3, verbose=0, callbacks=[SyncedCheckpoint(directory, dataset=ds, save_freq=4)]
+    )
+    return reference
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("steps", "resume_at"), [(4, (2, 12)), (3, (2, 0))])
-def test_checkpoint_resume_is_exact_with_steps_per_execution(tmp_path, steps, resume_at):
+def test_checkpoint_resume_is_exact_with_steps_per_execution(
+    tmp_path, uninterrupted, steps, resume_at
+):
     """16 batches per epoch: with 4 steps per execution the resume is mid-epoch; with 3 (16
-    is no multiple of 3) it starts at the newest epoch boundary. Both end equal."""
-
-    def data():
-        return kmk.make_dataset(X, Y, 16, seed=9)
-
-    reference = spe_factory(steps)()
-    ds = data()
-    reference.fit(
-        ds,
-        epochs=3,
-        verbose=0,
-        callbacks=[SyncedCheckpoint(tmp_path / "ref", dataset=ds, save_freq=steps)],
-    )
+    is no multiple of 3) it starts at the newest epoch boundary. Both end equal to the
+    uninterrupted run (4 steps per execution: 3 would end on the same weights)."""
+    data, reference = _resume_data, uninterrupted
     assert int(reference.optimizer.iterations.numpy()) == 48
 
     class Crash(keras.callbacks.Callback):

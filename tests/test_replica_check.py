@@ -3,7 +3,11 @@
 Each check trains in a real child process (2 replicas simulated on the CPU); the user's
 factory and data live in a module written to `tmp_path`, run with that as the current
 directory, as a user runs `keras-mirror-kit doctor --model train:build_model` next to
-`train.py`. The child's stderr is logged at DEBUG on the kit's logger (shown on failure).
+`train.py`. The checks that train run as the user runs them, in a process of their own
+(the command, or a script calling `kmk.check_replicas`) forked from the tests' zygote, so
+the check's own child is forked too (`tests/forkserver.py`); their output is shown on
+failure. The refusals before any training run here, where the check's child's stderr is
+logged at DEBUG on the kit's logger (shown on failure).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import logging
 import math
 import os
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -33,7 +38,7 @@ from keras_mirror_kit.replica_check.samples import (
     take_samples,
 )
 from tests import forkserver
-from tests.subproc import REPO
+from tests.subproc import REPO, last_json
 
 USER_MODULE = """
 import keras
@@ -96,9 +101,30 @@ def _doctor(capsys: Any, *args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def _user_process(user_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python ARGS` in `user_dir`, as the user runs it (forked from the tests' zygote)."""
+    return forkserver.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        cwd=user_dir,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=600,
+        check=False,
+    )
+
+
+def _doctor_command(user_dir: Path, *args: str) -> tuple[int, str, str]:
+    """`keras-mirror-kit doctor ARGS` in `user_dir`: exit status, stdout, stderr."""
+    proc = _user_process(user_dir, "-m", "keras_mirror_kit.cli", "doctor", *args)
+    return proc.returncode, proc.stdout, proc.stderr[-6000:]
+
+
 @pytest.mark.slow
-def test_cli_passes_a_plain_model_with_sgd(user_dir: Path, capsys: Any) -> None:
-    code, out, err = _doctor(capsys, "--model", "train:dense", "--data", "train:data", "--json")
+def test_cli_passes_a_plain_model_with_sgd(user_dir: Path) -> None:
+    code, out, err = _doctor_command(
+        user_dir, "--model", "train:dense", "--data", "train:data", "--json"
+    )
     assert code == 0, out + err
     report = json.loads(out)
     assert report["passed"] is True and report["error"] is None
@@ -114,8 +140,10 @@ def test_cli_passes_a_plain_model_with_sgd(user_dir: Path, capsys: Any) -> None:
 
 
 @pytest.mark.slow
-def test_cli_reports_unsynchronized_batch_norm_and_exits_1(user_dir: Path, capsys: Any) -> None:
-    code, out, err = _doctor(capsys, "--model", "train:batch_norm", "--data", "train:data")
+def test_cli_reports_unsynchronized_batch_norm_and_exits_1(user_dir: Path) -> None:
+    code, out, err = _doctor_command(
+        user_dir, "--model", "train:batch_norm", "--data", "train:data"
+    )
     assert code == 1, out + err
     assert "FAILED: largest difference" in out
     assert "first variable to diverge: sequential/" in out
@@ -127,26 +155,43 @@ def test_cli_reports_unsynchronized_batch_norm_and_exits_1(user_dir: Path, capsy
     assert "replica_copies_differ" not in out
 
 
+_SYNCED_CHECK = """
+import json
+import keras_mirror_kit as kmk
+import train
+
+x, y = train.data()
+result = kmk.check_replicas(train.synced_batch_norm, (x, y), steps=2)
+print("RESULT " + json.dumps({
+    "is_replica_check": isinstance(result, kmk.ReplicaCheck),
+    "passed": bool(result.passed),
+    "global_batch_size": result.global_batch_size,
+    "steps": result.steps,
+    "max_difference": float(result.max_difference),
+    "causes": [cause.code for cause in result.causes],
+    "paths": [d.path for d in result.differences],
+    "describe": result.describe(),
+}))
+"""
+
+
 @pytest.mark.slow
 def test_synchronized_batch_norm_of_a_distributed_factory_passes(user_dir: Path) -> None:
-    train = importlib.import_module("train")
-    x, y = train.data()
-    result = kmk.check_replicas(train.synced_batch_norm, (x, y), steps=2)
-    assert isinstance(result, kmk.ReplicaCheck)
-    assert result.passed, result.describe()
-    assert result.global_batch_size == 32 and result.steps == 2  # the factory's batch
-    assert result.max_difference <= 1e-6 and result.causes == ()
-    paths = [d.path for d in result.differences]
-    assert "sequential/batch_normalization/moving_variance" in paths
-    assert "passed: largest difference" in result.describe()
+    proc = _user_process(user_dir, "-c", _SYNCED_CHECK)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = last_json(proc)
+    assert result["is_replica_check"]
+    assert result["passed"], result["describe"]
+    assert result["global_batch_size"] == 32 and result["steps"] == 2  # the factory's batch
+    assert result["max_difference"] <= 1e-6 and result["causes"] == []
+    assert "sequential/batch_normalization/moving_variance" in result["paths"]
+    assert "passed: largest difference" in result["describe"]
 
 
 @pytest.mark.slow
-def test_random_layers_are_named_and_the_tolerance_flag_decides(
-    user_dir: Path, capsys: Any
-) -> None:
-    code, out, err = _doctor(
-        capsys, "--model", "train:dropout", "--data", "train:data", "--tolerance", "10", "--json"
+def test_random_layers_are_named_and_the_tolerance_flag_decides(user_dir: Path) -> None:
+    code, out, err = _doctor_command(
+        user_dir, "--model", "train:dropout", "--data", "train:data", "--tolerance", "10", "--json"
     )
     report = json.loads(out)
     assert code == 0, out + err

@@ -1,7 +1,9 @@
 """make_dataset's `preprocess` on each replica (issue 17, item 8), on 2 logical CPU replicas.
 
 Models the kit built receive the stored dtype (uint8) and cast on each replica; the results
-must be those of host preprocessing, and every other consumer keeps host preprocessing.
+must be those of host preprocessing, and every other consumer keeps host preprocessing. The
+host-preprocessed run is made once (without steps_per_execution, which changes no
+arithmetic) and compared with each replica-preprocessed run.
 """
 
 from __future__ import annotations
@@ -56,11 +58,18 @@ def kit_model(steps_per_execution: int | None = None, seed: int = 1, model_layer
     return model
 
 
+def training(preprocess_on: str, preprocess=None):
+    """The training set (shuffled, seed 3) with `preprocess` (default: rescale) there."""
+    return kmk.make_dataset(
+        X, Y, 2 * PER_REPLICA, seed=3, preprocess=preprocess or kmk.rescale(),
+        preprocess_on=preprocess_on,
+    )  # fmt: skip
+
+
 def datasets(preprocess_on: str, preprocess=None):
+    """`training(...)` and the validation set (40 samples, in order)."""
     preprocess = preprocess or kmk.rescale()
-    train = kmk.make_dataset(
-        X, Y, 2 * PER_REPLICA, seed=3, preprocess=preprocess, preprocess_on=preprocess_on
-    )
+    train = training(preprocess_on, preprocess)
     val = kmk.make_dataset(
         X_VAL, Y_VAL, 2 * PER_REPLICA, shuffle=False, preprocess=preprocess,
         preprocess_on=preprocess_on,
@@ -95,10 +104,16 @@ class Probe:
         return tf.cast(x, "float32") * (1.0 / 255.0)
 
 
+@pytest.fixture(scope="module")
+def host_run():
+    """`run` of a kit-built model on host-preprocessed data: what every replica run must give."""
+    return run(kit_model(), "host")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("steps_per_execution", [None, 2])
-def test_fit_evaluate_predict_give_what_host_preprocessing_gives(steps_per_execution):
-    host = run(kit_model(steps_per_execution), "host")
+def test_fit_evaluate_predict_give_what_host_preprocessing_gives(host_run, steps_per_execution):
+    host = host_run
     replica = run(kit_model(steps_per_execution), "auto")  # the default: rescale() moves
     assert max_gap(host[0], replica[0]) <= 1e-6
     assert max_gap(host[0], kit_model(steps_per_execution).get_weights()) > 1e-3  # it trained
@@ -112,26 +127,26 @@ def test_fit_evaluate_predict_give_what_host_preprocessing_gives(steps_per_execu
 
 @pytest.mark.slow
 def test_the_replica_step_receives_the_stored_dtype():
-    train, _ = datasets("auto")
+    train = training("auto")
     assert preprocess_placement(train) == "replica"
     assert train.element_spec[0].dtype == tf.float32  # what any other consumer iterates
     assert replica_variant(train).dataset().element_spec[0].dtype == tf.uint8
-    assert preprocess_placement(datasets("host")[0]) == "host"
+    assert preprocess_placement(training("host")) == "host"
     assert preprocess_placement(kmk.make_dataset(X, Y, 16, seed=0)) is None
 
     probe = Probe()
-    train, _ = datasets("replica", probe)
+    train = training("replica", probe)
     kit_model().fit(train, epochs=1, verbose=0)
     assert probe.replica_dtypes and set(probe.replica_dtypes) == {tf.uint8}
 
     host_probe = Probe()
-    kit_model().fit(datasets("host", host_probe)[0], epochs=1, verbose=0)
+    kit_model().fit(training("host", host_probe), epochs=1, verbose=0)
     assert host_probe.replica_dtypes == []  # ran in the input pipeline only
 
     block_probe = Probe()  # the `with` form prepares the models compiled in the block
     with kmk.distributed(per_replica_batch_size=PER_REPLICA):
         model = compile_model(keras.Sequential(layers()))
-    model.fit(datasets("replica", block_probe)[0], epochs=1, verbose=0)
+    model.fit(training("replica", block_probe), epochs=1, verbose=0)
     assert block_probe.replica_dtypes and set(block_probe.replica_dtypes) == {tf.uint8}
 
 
@@ -142,16 +157,16 @@ def test_a_plain_keras_model_keeps_host_preprocessing():
         return compile_model(keras.Sequential(layers()))
 
     probe = Probe()
-    train, _ = datasets("replica", probe)
+    train = training("replica", probe)
     traced_by_the_pipeline = probe.traces
     model = plain()
     model.fit(train, epochs=2, verbose=0)
     assert probe.traces == traced_by_the_pipeline  # the model's steps never applied it
     reference = plain()
-    reference.fit(datasets("host")[0], epochs=2, verbose=0)
+    reference.fit(training("host"), epochs=2, verbose=0)
     assert max_gap(model.get_weights(), reference.get_weights()) <= 1e-6
     # Iterating it yourself gives the host-preprocessed batches.
-    first_x, _ = next(iter(datasets("auto")[0]))
+    first_x, _ = next(iter(training("auto")))
     assert first_x.dtype == tf.float32 and float(tf.reduce_max(first_x)) <= 1.0
 
 
@@ -174,14 +189,14 @@ def test_the_model_is_built_for_what_preprocess_returns():
 def test_compiled_functions_are_reused_and_never_leak_outside_the_kit_call():
     probe = Probe()
     model = kit_model()
-    train, _ = datasets("replica", probe)
+    train = training("replica", probe)
     model.fit(train, epochs=1, verbose=0)
     traces = probe.traces
     model.fit(train, epochs=1, verbose=0)
     assert probe.traces == traces  # the step compiled for the probe was kept, not retraced
     # Outside fit the model runs Keras' own step: train_on_batch on host-preprocessed data
     # must not scale it twice. Same for a host-mode twin of the model.
-    twin, host = kit_model(), datasets("host")[0]
+    twin, host = kit_model(), training("host")
     for _ in range(2):  # the same epochs' orders (each fit also iterates once to build)
         twin.fit(host, epochs=1, verbose=0)
     batch = (X[:16].astype("float32") / 255.0, Y[:16])
@@ -200,13 +215,13 @@ def test_compiled_functions_are_reused_and_never_leak_outside_the_kit_call():
 @pytest.mark.slow
 def test_mid_epoch_resume_on_replicas_matches_an_uninterrupted_host_run(tmp_path):
     reference = kit_model()
-    train, _ = datasets("host")  # the order keyed on the fit epoch, as in the resumed run
+    train = training("host")  # the order keyed on the fit epoch, as in the resumed run
     reference.fit(
         train, epochs=3, verbose=0, callbacks=[SyncedCheckpoint(tmp_path / "ref", dataset=train)]
     )
 
     crashed = kit_model()
-    train, _ = datasets("auto")
+    train = training("auto")
     with pytest.raises(KeyboardInterrupt):
         crashed.fit(
             train,
@@ -218,7 +233,7 @@ def test_mid_epoch_resume_on_replicas_matches_an_uninterrupted_host_run(tmp_path
             ],
         )
     resumed = kit_model(seed=99)
-    train, _ = datasets("auto")
+    train = training("auto")
     checkpoint = SyncedCheckpoint(tmp_path / "run", save_freq=2, dataset=train)
     resumed.fit(train, epochs=3, verbose=0, callbacks=[checkpoint])
     assert (checkpoint.last_restored.meta["epoch"], checkpoint.last_restored.meta["step"]) == (
@@ -248,14 +263,14 @@ def test_a_step_replaced_after_the_kit_prepared_the_model(caplog):
     model = kit_model()
     model.train_step = functools.partial(type(model).train_step, model)  # Keras' own, unwrapped
     with caplog.at_level(logging.WARNING, logger="keras_mirror_kit"):
-        model.fit(datasets("auto")[0], epochs=1, verbose=0)
+        model.fit(training("auto"), epochs=1, verbose=0)
     assert "`train_step` was replaced" in caplog.text and "runs on the host" in caplog.text
     reference = kit_model()
-    reference.fit(datasets("host")[0], epochs=1, verbose=0)
+    reference.fit(training("host"), epochs=1, verbose=0)
     assert max_gap(model.get_weights(), reference.get_weights()) <= 1e-6
 
     steps = int(model.optimizer.iterations.numpy())
     with pytest.raises(ValueError, match="cannot run the `preprocess` of x=") as info:
-        model.fit(datasets("replica", Probe())[0], epochs=1, verbose=0)
+        model.fit(training("replica", Probe()), epochs=1, verbose=0)
     assert "preprocess_on='host'" in str(info.value) and "stored uint8" in str(info.value)
     assert int(model.optimizer.iterations.numpy()) == steps  # refused before any step

@@ -5,7 +5,9 @@ with `SyncedCheckpoint(dataset=train_ds)` or without `dataset=`, and a run stopp
 mid-epoch resumes to the uninterrupted run's weights. Steps that cannot resume exactly
 (`.cache()`, an unordered map) are refused with `dataset=`, and resume at epoch boundaries
 without it; a map that draws from shared random state is warned about (`strict`: refused).
-The same 2-replica job as tests/test_synced_checkpoint.py: 6 batches an epoch.
+The same 2-replica job as tests/test_synced_checkpoint.py: 6 batches an epoch. The
+uninterrupted run of the mapped pipeline (`mapped_reference`) and the model that resumes
+each crashed one (`resumer`, also for the cache) are made once for the module.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ def mapped(ds):
     return ds.map(double, num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
 
 
-def run(directory, given, crash_at=None, seed=3):
+def run(directory, given, crash_at=None, model=None):
     """One fit() of the mapped pipeline; `given`: what `dataset=` is ("none", "kit", ...)."""
-    model, ds = build("sgd", seed=seed), dataset()
+    model, ds = model or build("sgd"), dataset()
     if given == "prefetched":  # dataset= a kit dataset followed by a prefetch
         ds = ds.prefetch(1)
     options = {} if given == "none" else {"dataset": ds}
@@ -43,20 +45,37 @@ def run(directory, given, crash_at=None, seed=3):
     return model, checkpoint, counter
 
 
+@pytest.fixture(scope="module")
+def mapped_reference(tmp_path_factory):
+    """The weights of an uninterrupted fit() of the mapped pipeline (checkpointed)."""
+    model, _, _ = run(tmp_path_factory.mktemp("reference") / "ckpt", "kit")
+    return model.get_weights()
+
+
+@pytest.fixture(scope="module")
+def resumer():
+    """The model that resumes each crashed run below (one trace for the five): only the
+    first resume starts from fresh weights, the others from the previous test's, which the
+    restore replaces as for any instance
+    (tests/test_synced_checkpoint.py::test_reusing_the_instance_after_fit_raised_resumes_like_a_new_one)."""
+    return build("sgd", seed=99)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("given", ["none", "kit", "prefetched"])
-def test_a_map_and_prefetch_after_the_kit_dataset_resume_mid_epoch_exactly(given, tmp_path):
-    reference, _, _ = run(tmp_path / "reference", given)
+def test_a_map_and_prefetch_after_the_kit_dataset_resume_mid_epoch_exactly(
+    given, tmp_path, mapped_reference, resumer
+):
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path / "run", given, crash_at=(1, 3))  # newest checkpoint: epoch 1, batch 4
-    model, checkpoint, counter = run(tmp_path / "run", given, seed=99)
+    model, checkpoint, counter = run(tmp_path / "run", given, model=resumer)
     assert (checkpoint.last_restored.meta["epoch"], checkpoint.last_restored.meta["step"]) == (
         1,
         4,
     )
     assert counter.batches == 2 + 6  # the rest of epoch 1, then epoch 2
     assert int(model.optimizer.iterations.numpy()) == EPOCHS * 6
-    assert max_diff(reference.get_weights(), model.get_weights()) <= 1e-6
+    assert max_diff(mapped_reference, model.get_weights()) <= 1e-6
 
 
 def test_cache_after_the_given_dataset_is_refused_before_any_step_naming_it(tmp_path):
@@ -90,11 +109,13 @@ def test_an_unordered_map_after_the_given_dataset_is_refused_before_any_step(tmp
 
 
 @pytest.mark.slow
-def test_cache_without_dataset_resumes_at_the_epoch_boundary_and_says_why(tmp_path, caplog):
-    def cached(directory, crash_at=None, seed=3):
+def test_cache_without_dataset_resumes_at_the_epoch_boundary_and_says_why(
+    tmp_path, caplog, resumer
+):
+    def cached(directory, crash_at=None, model=None):
         counter = CountBatches()
         callbacks = [SyncedCheckpoint(directory, save_freq=2), counter]
-        model = build("sgd", seed=seed)
+        model = model or build("sgd")
         model.fit(
             dataset().cache(),
             epochs=EPOCHS,
@@ -106,7 +127,7 @@ def test_cache_without_dataset_resumes_at_the_epoch_boundary_and_says_why(tmp_pa
     with pytest.raises(KeyboardInterrupt):
         cached(tmp_path, crash_at=(1, 3))
     with caplog.at_level(logging.INFO, logger="keras_mirror_kit"):
-        counter = cached(tmp_path, seed=99)
+        counter = cached(tmp_path, model=resumer)
     assert counter.batches == 2 * 6  # epoch 1 again from its start, then epoch 2
     assert "resumes at epoch boundaries: fit() trains on cache after a kit dataset" in caplog.text
 
@@ -128,9 +149,9 @@ def keras_noisy(x, y):
 def test_a_map_with_shared_random_state_is_warned_about_or_refused_with_strict(
     function, op, tmp_path, caplog
 ):
-    ds = dataset()
+    ds, model = dataset(), build("sgd")
     with caplog.at_level(logging.WARNING, logger="keras_mirror_kit"):
-        build("sgd").fit(
+        model.fit(
             ds.map(function), epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path / "a")]
         )
     warned = [r.getMessage() for r in caplog.records if "after the kit dataset" in r.getMessage()]
@@ -139,7 +160,7 @@ def test_a_map_with_shared_random_state_is_warned_about_or_refused_with_strict(
 
     counter = CountBatches()
     with pytest.raises(ValueError, match=rf"\.map\({function.__name__}\).*strict=True"):
-        build("sgd").fit(
+        model.fit(
             ds.map(function),
             epochs=1,
             verbose=0,
@@ -151,9 +172,9 @@ def test_a_map_with_shared_random_state_is_warned_about_or_refused_with_strict(
 # -- arrays as Keras takes them: fit(x, y, batch_size, validation_split, shuffle) ---------
 
 
-def fit_arrays(directory, shuffle=True, crash_at=None, seed=3, checkpoint=True):
+def fit_arrays(directory, shuffle=True, crash_at=None, model=None, checkpoint=True, epochs=EPOCHS):
     """72 training samples (4 batches of 16, one of 8) and Keras' last 24 to validate."""
-    model, (x, y), counter = build("sgd", seed=seed), data(), CountBatches()
+    model, (x, y), counter = model or build("sgd"), data(), CountBatches()
     synced = SyncedCheckpoint(directory, save_freq=2) if checkpoint else None
     callbacks = [
         counter,
@@ -166,7 +187,7 @@ def fit_arrays(directory, shuffle=True, crash_at=None, seed=3, checkpoint=True):
         batch_size=16,
         validation_split=0.25,
         shuffle=shuffle,
-        epochs=EPOCHS,
+        epochs=epochs,
         verbose=0,
         callbacks=callbacks,
     )
@@ -174,12 +195,12 @@ def fit_arrays(directory, shuffle=True, crash_at=None, seed=3, checkpoint=True):
 
 
 @pytest.mark.slow
-def test_arrays_with_validation_split_and_shuffle_resume_mid_epoch_exactly(tmp_path):
+def test_arrays_with_validation_split_and_shuffle_resume_mid_epoch_exactly(tmp_path, resumer):
     reference, reference_history, counted, _ = fit_arrays(tmp_path / "reference")
     assert counted.batches == EPOCHS * 5
     with pytest.raises(KeyboardInterrupt):
         fit_arrays(tmp_path / "run", crash_at=(1, 2))
-    model, history, counter, checkpoint = fit_arrays(tmp_path / "run", seed=99)
+    model, history, counter, checkpoint = fit_arrays(tmp_path / "run", model=resumer)
     restored = checkpoint.last_restored.meta
     assert restored["epoch"] == 1 and restored["step"] > 0  # mid-epoch, not a boundary
     assert counter.batches == (5 - restored["step"]) + 5
@@ -192,8 +213,10 @@ def test_arrays_with_validation_split_and_shuffle_resume_mid_epoch_exactly(tmp_p
 @pytest.mark.slow
 def test_arrays_through_the_kit_train_and_validate_as_keras_own_fit(tmp_path):
     # shuffle=False: the kit's order is the arrays' order, Keras' too, so the runs agree.
-    kit, kit_history, _, _ = fit_arrays(tmp_path / "kit", shuffle=False)
-    keras_own, keras_history, _, _ = fit_arrays(tmp_path / "k", shuffle=False, checkpoint=False)
+    kit, kit_history, _, _ = fit_arrays(tmp_path / "kit", shuffle=False, epochs=2)
+    keras_own, keras_history, _, _ = fit_arrays(
+        tmp_path / "k", shuffle=False, checkpoint=False, epochs=2
+    )
     assert max_diff(kit.get_weights(), keras_own.get_weights()) <= 1e-6
     np.testing.assert_allclose(
         kit_history.history["val_loss"], keras_history.history["val_loss"], atol=1e-6

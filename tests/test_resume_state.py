@@ -3,7 +3,10 @@
 The same 2-replica job as tests/test_synced_checkpoint.py: 96 samples, global batch 16,
 6 batches an epoch. Each test walks one ordinary situation that resumed wrongly, lost
 checkpoints or trained from scratch before, and checks the weights, the batches trained
-or the refusal.
+or the refusal. Runs several tests start from are made once per module, read-only (tests
+resume copies of their directories): `crashed_mid_epoch`, `plain_run` (an uninterrupted
+run: weights and checkpoints), `two_stage_runs`; `resumer` is the one model that resumes
+`crashed_mid_epoch`'s copies (and the mid-epoch retention run).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -49,20 +53,36 @@ def crashed_mid_epoch(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain_reference(tmp_path_factory):
-    """Weights of an uninterrupted 4-epoch SGD run on the plain dataset."""
+def resumer():
+    """The model that resumes the copies of `crashed_mid_epoch` and the retention run below
+    (one trace for all): only the first resume starts from fresh weights, the others from
+    the previous test's, which the restore replaces as for any instance
+    (tests/test_synced_checkpoint.py::test_reusing_the_instance_after_fit_raised_resumes_like_a_new_one)."""
+    return build("sgd", seed=99)
+
+
+class PlainRun(NamedTuple):
+    weights: list[np.ndarray]
+    directory: object
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """An uninterrupted 4-epoch SGD run on the plain dataset, save_freq=2, keep=3: its
+    weights, and its checkpoint directory (read-only: tests copy it)."""
+    directory = tmp_path_factory.mktemp("plain") / "ckpt"
     model = build("sgd")
     model.fit(
         plain_dataset(),
         epochs=4,
         verbose=0,
-        callbacks=[SyncedCheckpoint(tmp_path_factory.mktemp("plain") / "ckpt", save_freq=2)],
+        callbacks=[SyncedCheckpoint(directory, save_freq=2, keep=3)],
     )
-    return model.get_weights()
+    return PlainRun(model.get_weights(), directory)
 
 
-def copy_of(directory, tmp_path):
-    target = tmp_path / "ckpt"
+def copy_of(directory, tmp_path, name="ckpt"):
+    target = tmp_path / name
     shutil.copytree(directory, target)
     return target
 
@@ -97,14 +117,13 @@ class StopIn(keras.callbacks.Callback):
 )
 @pytest.mark.slow
 def test_a_stop_request_at_the_end_of_a_resumed_epoch_is_honoured(
-    crashed_mid_epoch, tmp_path, hook, before
+    crashed_mid_epoch, resumer, tmp_path, hook, before
 ):
     directory = copy_of(crashed_mid_epoch, tmp_path)
     ds, counter = dataset(), CountBatches()
     checkpoint, stop = SyncedCheckpoint(directory, save_freq=2, dataset=ds), StopIn(1, hook)
     callbacks = [stop, checkpoint, counter] if before else [checkpoint, stop, counter]
-    model = build("sgd", seed=99)
-    history = model.fit(ds, epochs=4, verbose=0, callbacks=callbacks)
+    history = resumer.fit(ds, epochs=4, verbose=0, callbacks=callbacks)
     assert checkpoint.last_restored.meta["step"] == 4
     assert counter.batches == 2  # the rest of epoch 1, then the stop: epochs 2, 3 not run
     assert len(history.history["loss"]) == 1
@@ -118,7 +137,7 @@ def test_a_stop_request_at_the_end_of_a_resumed_epoch_is_honoured(
 @pytest.mark.slow
 def test_a_checkpoint_of_another_optimizer_is_refused_before_any_step(tmp_path):
     model, ds = build("momentum"), dataset()
-    model.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
     files = npz_files(tmp_path)
     other, counter = build("rmsprop"), CountBatches()  # 6 optimizer variables as well
     with pytest.raises(CheckpointError, match="does not match this model") as info:
@@ -206,24 +225,24 @@ def test_random_layers_resume_mid_epoch_to_the_uninterrupted_weights(tmp_path):
 )
 @pytest.mark.slow
 def test_changed_data_resumes_from_the_epoch_boundary_with_a_warning(
-    crashed_mid_epoch, tmp_path, caplog, change, why
+    crashed_mid_epoch, resumer, tmp_path, caplog, change, why
 ):
     directory = copy_of(crashed_mid_epoch, tmp_path)
     caplog.set_level(logging.WARNING, logger="keras_mirror_kit")
     ds, counter = dataset(**change), CountBatches()
     per_epoch = kmk_batches(ds)
     checkpoint = SyncedCheckpoint(directory, save_freq=2, dataset=ds)
-    build("sgd", seed=99).fit(ds, epochs=3, verbose=0, callbacks=[checkpoint, counter])
+    resumer.fit(ds, epochs=2, verbose=0, callbacks=[checkpoint, counter])
     restored = checkpoint.last_restored.meta
     assert (restored["epoch"], restored["step"], restored["epoch_end"]) == (1, 0, True)
-    assert counter.batches == 2 * per_epoch  # epochs 1 and 2 whole: nothing twice
+    assert counter.batches == per_epoch  # epoch 1 whole: nothing twice
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(why in m and "newest epoch boundary" in m for m in warned), warned
     # strict=True refuses instead, before any step.
     directory, counter = copy_of(crashed_mid_epoch, tmp_path / "strict"), CountBatches()
     strict = SyncedCheckpoint(directory, save_freq=2, dataset=ds, strict=True)
     with pytest.raises(CheckpointError, match=why):
-        build("sgd", seed=99).fit(ds, epochs=3, verbose=0, callbacks=[strict, counter])
+        resumer.fit(ds, epochs=2, verbose=0, callbacks=[strict, counter])
     assert counter.batches == 0
 
 
@@ -309,59 +328,69 @@ def test_a_generator_over_another_dataset_is_refused_at_the_first_batch_end(tmp_
 
 
 def two_stages(model, ds, callbacks):
-    model.fit(ds, epochs=2, verbose=0, callbacks=callbacks)
-    model.fit(ds, epochs=4, initial_epoch=2, verbose=0, callbacks=callbacks)
+    model.fit(ds, epochs=1, verbose=0, callbacks=callbacks)
+    model.fit(ds, epochs=3, initial_epoch=1, verbose=0, callbacks=callbacks)
+
+
+class TwoStageRuns(NamedTuple):
+    reference: list[np.ndarray]  # the weights of the script run uninterrupted
+    crashed: object  # the directory of the script run crashed in stage 2, epoch 2
+
+
+@pytest.fixture(scope="module")
+def two_stage_runs(tmp_path_factory):
+    """The two-stage script run uninterrupted and run crashed in stage 2 (read-only)."""
+    root = tmp_path_factory.mktemp("two-stages")
+    model, ds = build("sgd"), dataset()
+    two_stages(model, ds, [SyncedCheckpoint(root / "ref", dataset=ds)])
+    reference = model.get_weights()
+    model, ds = build("sgd"), dataset()
+    with pytest.raises(KeyboardInterrupt):  # crash in stage 2, epoch 2 (after its boundary)
+        two_stages(model, ds, [SyncedCheckpoint(root / "run", dataset=ds), StopAt(2, 2)])
+    return TwoStageRuns(reference, root / "run")
 
 
 @pytest.mark.slow
-def test_a_rerun_two_stage_script_continues_each_fit_from_the_newest_checkpoint(tmp_path):
-    model, ds = build("sgd"), dataset()
-    two_stages(model, ds, [SyncedCheckpoint(tmp_path / "ref", dataset=ds)])
-    reference = model.get_weights()
-    model, ds = build("sgd"), dataset()
-    with pytest.raises(KeyboardInterrupt):  # crash in stage 2, epoch 3
-        two_stages(model, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds), StopAt(3, 2)])
+def test_a_rerun_two_stage_script_continues_each_fit_from_the_newest_checkpoint(
+    tmp_path, two_stage_runs
+):
+    directory = copy_of(two_stage_runs.crashed, tmp_path)
     fresh, ds, counter = build("sgd", seed=99), dataset(), CountBatches()
-    two_stages(fresh, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds), counter])
-    assert counter.batches == 6  # epoch 3 only: stage 1 trains nothing, stage 2 resumes
-    assert int(fresh.optimizer.iterations.numpy()) == 24
-    assert max_diff(reference, fresh.get_weights()) <= 1e-6
+    two_stages(fresh, ds, [SyncedCheckpoint(directory, dataset=ds), counter])
+    assert counter.batches == 6  # epoch 2 only: stage 1 trains nothing, stage 2 resumes
+    assert int(fresh.optimizer.iterations.numpy()) == 18
+    assert max_diff(two_stage_runs.reference, fresh.get_weights()) <= 1e-6
 
 
 @pytest.mark.slow
-def test_stage_two_rerun_alone_resumes_its_own_checkpoint(tmp_path, caplog):
+def test_stage_two_rerun_alone_resumes_its_own_checkpoint(tmp_path, caplog, two_stage_runs):
     """Stage 1 commented out (or a notebook cell after a restart): stage 2 is fit #0 now."""
-    model, ds = build("sgd"), dataset()
-    two_stages(model, ds, [SyncedCheckpoint(tmp_path / "ref", dataset=ds)])
-    reference = model.get_weights()
-    model, ds = build("sgd"), dataset()
-    with pytest.raises(KeyboardInterrupt):  # crash in stage 2, epoch 3
-        two_stages(model, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds), StopAt(3, 2)])
-    other = copy_of(tmp_path / "run", tmp_path / "other")
+    directory = copy_of(two_stage_runs.crashed, tmp_path)
+    other = copy_of(two_stage_runs.crashed, tmp_path, "other")
     caplog.set_level(logging.WARNING, logger="keras_mirror_kit")
     fresh, ds, counter = build("sgd", seed=99), dataset(), CountBatches()
-    checkpoint = SyncedCheckpoint(tmp_path / "run", dataset=ds)
-    fresh.fit(ds, epochs=4, initial_epoch=2, verbose=0, callbacks=[checkpoint, counter])
-    assert counter.batches == 6  # epoch 3; 0 (taken as finished) before the fix
-    assert int(fresh.optimizer.iterations.numpy()) == 24
-    assert max_diff(reference, fresh.get_weights()) <= 1e-6
+    checkpoint = SyncedCheckpoint(directory, dataset=ds)
+    fresh.fit(ds, epochs=3, initial_epoch=1, verbose=0, callbacks=[checkpoint, counter])
+    assert counter.batches == 6  # epoch 2; 0 (taken as finished) before the fix
+    assert int(fresh.optimizer.iterations.numpy()) == 18
+    assert max_diff(two_stage_runs.reference, fresh.get_weights()) <= 1e-6
     # Its saves go on under the stage's number: a rerun of the whole script finds them.
     assert checkpoint.last_restored.meta["fit_index"] == 1
-    entries = json.loads((tmp_path / "run" / "manifest.json").read_text())["checkpoints"]
-    assert entries[-1]["fit_index"] == 1 and entries[-1]["epoch"] == 4
+    entries = json.loads((directory / "manifest.json").read_text())["checkpoints"]
+    assert entries[-1]["fit_index"] == 1 and entries[-1]["epoch"] == 3
     # Another epochs: still counted as finished, but said at WARNING, with what happens.
     caplog.clear()
     fresh, counter = build("sgd", seed=99), CountBatches()
     fresh.fit(
         ds,
-        epochs=5,
-        initial_epoch=2,
+        epochs=4,
+        initial_epoch=1,
         verbose=0,
         callbacks=[SyncedCheckpoint(other, dataset=ds), counter],
     )
     assert counter.batches == 0
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("epochs=4, at epoch 3" in m and "trains nothing" in m for m in warned), warned
+    assert any("epochs=3, at epoch 2" in m and "trains nothing" in m for m in warned), warned
 
 
 @pytest.mark.slow
@@ -451,17 +480,19 @@ def test_callback_state_resumes_exactly(tmp_path):
             monitor="loss", factor=0.5, patience=0, min_delta=10, cooldown=1
         )
         callbacks = [plateau, SyncedCheckpoint(directory, dataset=ds), tally]
-        model.fit(ds, epochs=5, verbose=0, callbacks=callbacks + ([crash] if crash else []))
+        model.fit(ds, epochs=4, verbose=0, callbacks=callbacks + ([crash] if crash else []))
         return model, tally
 
     reference, ref_tally = run(tmp_path / "ref")
+    # Resumed at epoch 2, a fresh plateau would not halve the rate there: 0.1 / 4 at the end
+    # instead of 0.1 / 8.
     with pytest.raises(KeyboardInterrupt):
-        run(tmp_path / "run", crash=StopAt(3, 2))
+        run(tmp_path / "run", crash=StopAt(2, 2))
     resumed, tally = run(tmp_path / "run", seed=99)
     lr = float(resumed.optimizer.learning_rate.numpy())
     assert lr == float(reference.optimizer.learning_rate.numpy()) < 0.1 / 4
     assert max_diff(reference.get_weights(), resumed.get_weights()) <= 1e-6
-    assert tally.epochs_seen == ref_tally.epochs_seen == 5
+    assert tally.epochs_seen == ref_tally.epochs_seen == 4
     np.testing.assert_allclose(tally.losses, ref_tally.losses, rtol=1e-6)
 
 
@@ -470,32 +501,26 @@ def test_callback_state_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_retention_keeps_two_epoch_boundaries_when_mid_epoch_ones_cannot_resume(
-    tmp_path, plain_reference
+    tmp_path, plain_run
 ):
     """Integer save_freq without dataset=: damage the newest, resume from the previous."""
-    model = build("sgd")
-    model.fit(
-        plain_dataset(),
-        epochs=4,
-        verbose=0,
-        callbacks=[SyncedCheckpoint(tmp_path, save_freq=2, keep=3)],
-    )
-    entries = json.loads((tmp_path / "manifest.json").read_text())["checkpoints"]
-    newest = tmp_path / entries[-1]["file"]
+    directory = copy_of(plain_run.directory, tmp_path)  # 4 epochs, save_freq=2, keep=3
+    entries = json.loads((directory / "manifest.json").read_text())["checkpoints"]
+    newest = directory / entries[-1]["file"]
     newest.write_bytes(newest.read_bytes()[:100])  # truncated
     fresh, counter = build("sgd", seed=99), CountBatches()
-    checkpoint = SyncedCheckpoint(tmp_path, save_freq=2, keep=3)
+    checkpoint = SyncedCheckpoint(directory, save_freq=2, keep=3)
     with pytest.warns(CorruptCheckpointWarning):
         fresh.fit(plain_dataset(), epochs=4, verbose=0, callbacks=[checkpoint, counter])
     assert counter.batches == 6  # epoch 3 again; 24 (from scratch) before the fix
     assert checkpoint.last_restored.meta["epoch"] == 3
-    assert max_diff(plain_reference, fresh.get_weights()) <= 1e-6
+    assert max_diff(plain_run.weights, fresh.get_weights()) <= 1e-6
     # keep=3 went to the newest three; two epoch boundaries older than the newest stayed.
     assert [e["epoch"] for e in entries if e["epoch_end"]][-3:] == [2, 3, 4]
 
 
 @pytest.mark.slow
-def test_a_lost_manifest_is_rebuilt_from_the_files_before_pruning(tmp_path, plain_reference):
+def test_a_lost_manifest_is_rebuilt_from_the_files_before_pruning(tmp_path, plain_run):
     def run(seed, epochs, crash=None):
         model, counter = build("sgd", seed=seed), CountBatches()
         checkpoint = SyncedCheckpoint(tmp_path, save_freq=2, keep=1)
@@ -510,11 +535,11 @@ def test_a_lost_manifest_is_rebuilt_from_the_files_before_pruning(tmp_path, plai
     model, checkpoint, batches = run(98, epochs=4)
     assert batches == 12  # epochs 2 and 3; 24 (from scratch) before the fix
     assert checkpoint.last_restored.meta["epoch"] == 2
-    assert max_diff(plain_reference, model.get_weights()) <= 1e-6
+    assert max_diff(plain_run.weights, model.get_weights()) <= 1e-6
 
 
 @pytest.mark.slow
-def test_retention_keeps_an_epoch_boundary_among_mid_epoch_resume_points(tmp_path):
+def test_retention_keeps_an_epoch_boundary_among_mid_epoch_resume_points(tmp_path, resumer):
     """keep=1, save_freq=1, dataset=: mid-epoch saves fill the resume points."""
     model, ds = build("sgd"), dataset()
     with pytest.raises(KeyboardInterrupt):  # after the saves at batches 1, 2, 3 of epoch 2
@@ -534,7 +559,7 @@ def test_retention_keeps_an_epoch_boundary_among_mid_epoch_resume_points(tmp_pat
     # The data changed (16 more samples): no mid-epoch resume, the epoch boundary is used.
     ds, counter = dataset(n=112), CountBatches()
     checkpoint = SyncedCheckpoint(tmp_path, save_freq=1, keep=1, dataset=ds)
-    build("sgd", seed=99).fit(ds, epochs=3, verbose=0, callbacks=[checkpoint, counter])
+    resumer.fit(ds, epochs=3, verbose=0, callbacks=[checkpoint, counter])
     restored = checkpoint.last_restored.meta
     assert (restored["epoch"], restored["step"], restored["epoch_end"]) == (2, 0, True)
     assert counter.batches == 7  # epoch 2 of 7 batches; 21 (from scratch) before the fix
@@ -586,12 +611,11 @@ def test_keras_private_layout_change_does_not_break_the_import():
 
 
 @pytest.mark.slow
-def test_a_changed_learning_rate_at_resume_is_logged(tmp_path, caplog):
-    model, ds = build("sgd"), dataset()
-    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+def test_a_changed_learning_rate_at_resume_is_logged(tmp_path, caplog, crashed_mid_epoch):
+    directory = copy_of(crashed_mid_epoch, tmp_path)  # SGD(0.1)
     fresh = build("sgd", seed=4)
     fresh.optimizer.learning_rate = 0.05  # the checkpoint's is 0.1
-    checkpoint = SyncedCheckpoint(tmp_path, dataset=ds)
+    checkpoint = SyncedCheckpoint(directory, save_freq=2, dataset=dataset())
     checkpoint.set_model(fresh)
     caplog.set_level(logging.WARNING, logger="keras_mirror_kit")
     checkpoint.on_train_begin()

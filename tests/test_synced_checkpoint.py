@@ -1,11 +1,23 @@
-"""SyncedCheckpoint in a 2-replica process: resume, retention, corruption, divergence."""
+"""SyncedCheckpoint in a 2-replica process: resume, retention, corruption, divergence.
+
+Resumes (at an epoch boundary, mid-epoch, without a kit dataset, into 1 replica, by the
+same instance after a raise, of a finished run) are compared with an uninterrupted run of
+`EPOCHS` epochs: the `reference` fixture trains one per (optimizer, dataset kind) for the
+module, and its checkpoint directory (read-only; tests copy it) also serves the tests of
+a finished run, the optimizer state, an unreadable manifest, another model, corrupt and
+pickled checkpoints. `crashed_at_boundary` is one crashed run per optimizer whose copies
+several tests resume; `resumer` is one model for the tests whose checks do not depend on
+the weights a model starts from.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shutil
 import warnings
+from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -17,7 +29,7 @@ from keras_mirror_kit.callbacks.synced_checkpoint import ReplicaDivergenceError,
 from keras_mirror_kit.checkpoint.store import CheckpointError, CorruptCheckpointWarning
 from tests.ckpt_helpers import CountBatches, StopAt, build, data, dataset, max_diff
 
-EPOCHS = 4  # 6 batches each, 24 optimizer steps
+EPOCHS = 3  # 6 batches each, 18 optimizer steps
 
 
 def plain_dataset():
@@ -25,21 +37,50 @@ def plain_dataset():
     return tf.data.Dataset.from_tensor_slices(data()).batch(16)
 
 
-def uninterrupted(optimizer, tmp_path, use_dataset=True, **kwargs):
+class Reference(NamedTuple):
+    """What an uninterrupted run left: weights, optimizer variables, checkpoint directory."""
+
+    weights: list[np.ndarray]
+    optimizer_variables: list[np.ndarray]
+    directory: object
+
+
+def uninterrupted(optimizer, directory, use_dataset=True):
     model, ds = build(optimizer), dataset() if use_dataset else plain_dataset()
     model.fit(
         ds,
         epochs=EPOCHS,
         verbose=0,
-        callbacks=[
-            SyncedCheckpoint(tmp_path / "reference", dataset=ds if use_dataset else None, **kwargs)
-        ],
+        callbacks=[SyncedCheckpoint(directory, dataset=ds if use_dataset else None)],
     )
     assert int(model.optimizer.iterations.numpy()) == EPOCHS * 6
-    return model.get_weights()
+    optimizer_variables = [v.numpy().copy() for v in model.optimizer.variables]
+    return Reference(model.get_weights(), optimizer_variables, directory)
 
 
-def crash_then_resume(optimizer, directory, crash_at, use_dataset=True, **kwargs):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """`reference(optimizer, use_dataset=True)`: the module's uninterrupted run of that
+    setting (EPOCHS epochs, a SyncedCheckpoint listed, given the kit dataset if there is
+    one), trained at first use."""
+    runs = {}
+
+    def get(optimizer, use_dataset=True):
+        if (optimizer, use_dataset) not in runs:
+            directory = tmp_path_factory.mktemp(f"reference-{optimizer}") / "ckpt"
+            runs[optimizer, use_dataset] = uninterrupted(optimizer, directory, use_dataset)
+        return runs[optimizer, use_dataset]
+
+    return get
+
+
+def copy_of(directory, tmp_path, name="ckpt"):
+    target = tmp_path / name
+    shutil.copytree(directory, target)
+    return target
+
+
+def crash(optimizer, directory, crash_at, use_dataset=True, **kwargs):
     model, ds = build(optimizer), dataset() if use_dataset else plain_dataset()
     with pytest.raises(KeyboardInterrupt):
         model.fit(
@@ -51,6 +92,9 @@ def crash_then_resume(optimizer, directory, crash_at, use_dataset=True, **kwargs
                 StopAt(*crash_at),
             ],
         )
+
+
+def resume(optimizer, directory, use_dataset=True, **kwargs):
     # A new process would build a fresh model: different initial weights on purpose.
     fresh, ds = build(optimizer, seed=99), dataset() if use_dataset else plain_dataset()
     counter = CountBatches()
@@ -59,45 +103,67 @@ def crash_then_resume(optimizer, directory, crash_at, use_dataset=True, **kwargs
     return fresh, checkpoint, counter
 
 
+@pytest.fixture(scope="module")
+def crashed_at_boundary(tmp_path_factory):
+    """`crashed_at_boundary(optimizer)`: the directory of a run (save_freq="epoch") that
+    crashed at batch 2 of epoch 1, made at first use: its newest checkpoint is epoch 1."""
+    runs = {}
+
+    def get(optimizer):
+        if optimizer not in runs:
+            runs[optimizer] = tmp_path_factory.mktemp(f"crashed-{optimizer}") / "ckpt"
+            crash(optimizer, runs[optimizer], (1, 2))
+        return runs[optimizer]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_resume_at_an_epoch_boundary_matches_an_uninterrupted_run(optimizer, tmp_path):
-    reference = uninterrupted(optimizer, tmp_path)
-    model, checkpoint, counter = crash_then_resume(optimizer, tmp_path / "run", (2, 2))
-    assert checkpoint.last_restored.meta["epoch"] == 2
+def test_resume_at_an_epoch_boundary_matches_an_uninterrupted_run(
+    optimizer, tmp_path, reference, crashed_at_boundary
+):
+    """...and a clean resume warns of no corrupt checkpoint."""
+    directory = copy_of(crashed_at_boundary(optimizer), tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, checkpoint, counter = resume(optimizer, directory)
+    assert not [w for w in caught if issubclass(w.category, CorruptCheckpointWarning)]
+    assert checkpoint.last_restored.meta["epoch"] == 1
     assert checkpoint.last_restored.meta["step"] == 0
-    assert counter.batches == 12  # epochs 2 and 3 only
-    assert int(model.optimizer.iterations.numpy()) == 24
-    assert max_diff(reference, model.get_weights()) <= 1e-6
+    assert counter.batches == 12  # epochs 1 and 2 only
+    assert int(model.optimizer.iterations.numpy()) == 18
+    assert max_diff(reference(optimizer).weights, model.get_weights()) <= 1e-6
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_integer_save_freq_resumes_mid_epoch_without_training_a_batch_twice(optimizer, tmp_path):
-    reference = uninterrupted(optimizer, tmp_path)
-    # Crash after batch 4 of epoch 2 (step 17): the newest checkpoint is step 16, batch 4.
-    model, checkpoint, counter = crash_then_resume(
-        optimizer, tmp_path / "run", (2, 4), save_freq=4
-    )
+def test_integer_save_freq_resumes_mid_epoch_without_training_a_batch_twice(
+    optimizer, tmp_path, reference
+):
+    # Saves at steps 4 (epoch 0), 8 (batch 2 of epoch 1), ...: a crash after batch 3 of
+    # epoch 1 (step 10) leaves step 8 the newest, after the epoch-1 boundary.
+    crash(optimizer, tmp_path / "run", (1, 3), save_freq=4)
+    model, checkpoint, counter = resume(optimizer, tmp_path / "run", save_freq=4)
     assert (checkpoint.last_restored.meta["epoch"], checkpoint.last_restored.meta["step"]) == (
+        1,
         2,
-        4,
     )
-    assert counter.batches == 2 + 6  # the rest of epoch 2, then epoch 3
-    assert int(model.optimizer.iterations.numpy()) == 24  # not one step more
-    assert max_diff(reference, model.get_weights()) <= 1e-6
+    assert counter.batches == 4 + 6  # the rest of epoch 1, then epoch 2
+    assert int(model.optimizer.iterations.numpy()) == 18  # not one step more
+    assert max_diff(reference(optimizer).weights, model.get_weights()) <= 1e-6
 
 
 @pytest.mark.slow
 def test_without_a_kit_dataset_mid_epoch_checkpoints_fall_back_to_the_epoch_boundary(
-    tmp_path, caplog
+    tmp_path, caplog, reference
 ):
     """Documented behaviour: resume from the newest epoch-end checkpoint, no batch twice,
     with a WARNING (default logging shows it) that says what to do for an exact resume."""
-    reference = uninterrupted("sgd", tmp_path, use_dataset=False)
+    crash("sgd", tmp_path / "run", (1, 3), save_freq=4, use_dataset=False)
     with caplog.at_level(logging.INFO, logger="keras_mirror_kit"):
-        model, checkpoint, counter = crash_then_resume(
-            "sgd", tmp_path / "run", (2, 4), save_freq=4, use_dataset=False
+        model, checkpoint, counter = resume(
+            "sgd", tmp_path / "run", save_freq=4, use_dataset=False
         )
     said = [r for r in caplog.records if "written mid-epoch" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING
@@ -106,89 +172,97 @@ def test_without_a_kit_dataset_mid_epoch_checkpoints_fall_back_to_the_epoch_boun
     entries = json.loads((tmp_path / "run" / "manifest.json").read_text())["checkpoints"]
     assert any(not e["epoch_end"] for e in entries)  # a newer mid-epoch one exists
     assert checkpoint.last_restored.meta["epoch_end"] is True
-    assert checkpoint.last_restored.meta["epoch"] == 2
+    assert checkpoint.last_restored.meta["epoch"] == 1
     assert counter.batches == 12
-    assert int(model.optimizer.iterations.numpy()) == 24
-    assert max_diff(reference, model.get_weights()) <= 1e-6
+    assert int(model.optimizer.iterations.numpy()) == 18
+    assert max_diff(reference("sgd", use_dataset=False).weights, model.get_weights()) <= 1e-6
 
 
 @pytest.mark.slow
-def test_a_later_fit_on_the_same_model_behaves_normally(tmp_path):
+def test_leftovers_are_cleaned_and_a_later_fit_on_the_same_model_behaves_normally(tmp_path):
+    """The first fit removes the orphaned temporaries of its directory and keeps files it
+    did not write; a later fit of the same model with the same callback trains normally."""
+    directory = tmp_path / "c"
+    directory.mkdir()
+    (directory / ".ckpt-00000009.npz.deadbeef.tmp").write_bytes(b"half a checkpoint")
+    (directory / ".manifest.json.0badf00d.tmp").write_bytes(b"{")
+    (directory / "notes.txt").write_text("mine")
+    (directory / "ckpt-final.npz").write_bytes(b"user file, not ours")
     model, ds = build("sgd"), dataset()
-    checkpoint = SyncedCheckpoint(tmp_path / "c", dataset=ds)
-    model.fit(ds, epochs=2, verbose=0, callbacks=[checkpoint])
+    checkpoint = SyncedCheckpoint(directory, dataset=ds)
+    model.fit(ds, epochs=1, verbose=0, callbacks=[checkpoint])
+    names = set(os.listdir(directory))
+    assert not any(n.endswith(".tmp") for n in names)
+    assert {"notes.txt", "ckpt-final.npz", "manifest.json"} <= names
     assert model._initial_epoch is None  # noqa: SLF001  (Keras' BackupAndRestore leaves it)
     counter = CountBatches()
-    history = model.fit(ds, epochs=2, verbose=0, callbacks=[checkpoint, counter])
-    assert counter.batches == 12 and len(history.history["loss"]) == 2
-    assert int(model.optimizer.iterations.numpy()) == 24
+    history = model.fit(ds, epochs=1, verbose=0, callbacks=[checkpoint, counter])
+    assert counter.batches == 6 and len(history.history["loss"]) == 1
+    assert int(model.optimizer.iterations.numpy()) == 12
 
 
 @pytest.mark.slow
-def test_a_finished_run_restarted_trains_nothing_more(tmp_path):
-    reference = uninterrupted("sgd", tmp_path)
+def test_a_finished_run_restarted_trains_nothing_more(tmp_path, reference):
+    directory = copy_of(reference("sgd").directory, tmp_path)
     fresh, ds = build("sgd", seed=5), dataset()
     counter = CountBatches()
     fresh.fit(
         ds,
         epochs=EPOCHS,
         verbose=0,
-        callbacks=[SyncedCheckpoint(tmp_path / "reference", dataset=ds), counter],
+        callbacks=[SyncedCheckpoint(directory, dataset=ds), counter],
     )
     assert counter.batches == 0
-    assert max_diff(reference, fresh.get_weights()) == 0.0
+    assert max_diff(reference("sgd").weights, fresh.get_weights()) == 0.0
 
 
 @pytest.mark.slow
-def test_restores_optimizer_state_not_just_weights(tmp_path):
-    model, ds = build("adam"), dataset()
-    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
-    saved = [v.numpy().copy() for v in model.optimizer.variables]
+def test_restores_optimizer_state_not_just_weights(tmp_path, reference):
+    saved = reference("adam").optimizer_variables  # at the end of the run that wrote it
+    directory = copy_of(reference("adam").directory, tmp_path)
     fresh = build("adam", seed=42)
-    checkpoint = SyncedCheckpoint(tmp_path, dataset=ds)
+    checkpoint = SyncedCheckpoint(directory, dataset=dataset())
     checkpoint.set_model(fresh)
     checkpoint.on_train_begin()
     restored = [v.numpy() for v in fresh.optimizer.variables]
-    assert int(fresh.optimizer.iterations.numpy()) == 6
+    assert int(fresh.optimizer.iterations.numpy()) == EPOCHS * 6
     assert len(saved) == len(restored) > 4
     for a, b in zip(saved, restored):
         np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow
-def test_restores_into_a_different_replica_count(tmp_path):
+def test_restores_into_a_different_replica_count(tmp_path, reference, crashed_at_boundary):
     """Saved with 2 replicas, resumed with 1 (same global batch): the weights end where an
     uninterrupted 2-replica run's do. Only the summation order differs (two per-replica
     halves all-reduced vs one mean over 16 samples): float32 rounding, 6e-8 measured after
-    24 steps of this SGD model. 1e-5 leaves room for that and still fails for epochs
-    trained in another order or a batch trained twice or skipped (9e-3 measured)."""
-    reference = uninterrupted("sgd", tmp_path)
-    model, ds = build("sgd"), dataset()
-    model.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(tmp_path / "c", dataset=ds)])
+    18 steps of this SGD model. 1e-5 leaves room for that and still fails for epochs
+    trained in another order (8e-3 measured) or a batch trained twice or skipped."""
+    directory = copy_of(crashed_at_boundary("sgd"), tmp_path)  # newest: epoch 1, 2 replicas
     single = build("sgd", devices=["/cpu:0"], seed=8)
     assert single.distribute_strategy.num_replicas_in_sync == 1
     ds = dataset()
-    checkpoint = SyncedCheckpoint(tmp_path / "c", dataset=ds)
+    checkpoint = SyncedCheckpoint(directory, dataset=ds)
     counter = CountBatches()
     single.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[checkpoint, counter])
     assert checkpoint.last_restored.meta["num_replicas"] == 2
-    assert counter.batches == 12 and int(single.optimizer.iterations.numpy()) == 24
-    assert max_diff(reference, single.get_weights()) <= 1e-5
+    assert counter.batches == 12 and int(single.optimizer.iterations.numpy()) == 18
+    assert max_diff(reference("sgd").weights, single.get_weights()) <= 1e-5
 
 
 @pytest.mark.slow
-def test_keeps_the_newest_and_two_usable_resume_points_beyond_it(tmp_path):
-    model, ds = build("sgd"), dataset()
+def test_keeps_the_newest_and_two_usable_resume_points_beyond_it(tmp_path, resumer):
+    model, ds = resumer, dataset()  # what is kept does not depend on the weights
     model.fit(
         ds,
-        epochs=2,
+        epochs=1,
         verbose=0,
         callbacks=[SyncedCheckpoint(tmp_path, save_freq=1, keep=2, dataset=ds)],
     )
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     names = [e["file"] for e in manifest["checkpoints"]]
     on_disk = sorted(n for n in os.listdir(tmp_path) if n.endswith(".npz"))
-    # keep=2, and with dataset= every checkpoint is a resume point: the newest + 2 more.
+    # 6 saves; keep=2, and with dataset= every checkpoint is a resume point: the newest + 2.
     assert names == on_disk and len(names) == 3
     assert manifest["latest"] == names[-1]
     assert manifest["checkpoints"][-1]["epoch_end"] is True
@@ -210,14 +284,44 @@ def test_keeps_the_newest_and_two_usable_resume_points_beyond_it(tmp_path):
     assert len([n for n in os.listdir(other) if n.endswith(".npz")]) == 2
 
 
+@pytest.fixture(scope="module")
+def resumer():
+    """One SGD model (one trace) for the tests whose checks do not depend on the weights a
+    model starts from: retention, the damaged copies resumed, the seed adopted, the resume
+    epoch cleared. Only its first fit starts from fresh weights; a restore replaces them as
+    for any instance (see test_reusing_the_instance_after_fit_raised_resumes_like_a_new_one).
+    The resumes compared with an uninterrupted run build a fresh model each."""
+    return build("sgd", seed=1)
+
+
+@pytest.fixture(scope="module")
+def written_async(tmp_path_factory):
+    """The directory of an uninterrupted EPOCHS-epoch run with `async_save=True`."""
+    directory = tmp_path_factory.mktemp("async") / "ckpt"
+    model, ds = build("sgd"), dataset()
+    model.fit(
+        ds,
+        epochs=EPOCHS,
+        verbose=0,
+        callbacks=[SyncedCheckpoint(directory, dataset=ds, async_save=True)],
+    )
+    return directory
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "zero", "garbage", "delete", "truncate-async"])
-def test_corrupt_newest_checkpoint_warns_and_uses_the_previous(tmp_path, damage, caplog):
-    model, ds = build("sgd"), dataset()
-    written = SyncedCheckpoint(tmp_path, dataset=ds, async_save=damage.endswith("-async"))
-    model.fit(ds, epochs=3, verbose=0, callbacks=[written])
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
-    newest = tmp_path / manifest["latest"]
+def test_corrupt_newest_checkpoint_warns_and_uses_the_previous(
+    tmp_path, damage, caplog, reference, written_async, resumer
+):
+    """3 epoch-end checkpoints written (synchronously: the reference's); the newest
+    damaged; the resume takes the previous (epoch 2), not the oldest."""
+    if damage.endswith("-async"):
+        directory = copy_of(written_async, tmp_path)
+    else:
+        directory = copy_of(reference("sgd").directory, tmp_path)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert [e["epoch"] for e in manifest["checkpoints"]] == [1, 2, 3]
+    newest = directory / manifest["latest"]
     raw = newest.read_bytes()
     if damage.startswith("truncate"):
         newest.write_bytes(raw[: len(raw) // 2])
@@ -227,44 +331,29 @@ def test_corrupt_newest_checkpoint_warns_and_uses_the_previous(tmp_path, damage,
         newest.write_bytes(b"not a checkpoint at all")
     else:
         newest.unlink()
-    fresh, ds = build("sgd", seed=1), dataset()
-    checkpoint = SyncedCheckpoint(tmp_path, dataset=ds)
+    ds = dataset()
+    checkpoint = SyncedCheckpoint(directory, dataset=ds)
     caplog.set_level(logging.WARNING, logger="keras_mirror_kit")
     with pytest.warns(CorruptCheckpointWarning, match="Skipping corrupt checkpoint"):
-        fresh.fit(ds, epochs=3, verbose=0, callbacks=[checkpoint])
+        resumer.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[checkpoint])
     assert checkpoint.last_restored.meta["epoch"] == 2  # the previous one
     assert any("corrupt" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.slow
-def test_unreadable_manifest_falls_back_to_the_files(tmp_path):
-    model, ds = build("sgd"), dataset()
-    model.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
-    (tmp_path / "manifest.json").write_text("{broken")
-    checkpoint = SyncedCheckpoint(tmp_path, dataset=ds)
+def test_unreadable_manifest_falls_back_to_the_files(tmp_path, reference):
+    directory = copy_of(reference("sgd").directory, tmp_path)
+    (directory / "manifest.json").write_text("{broken")
+    checkpoint = SyncedCheckpoint(directory, dataset=dataset())
     checkpoint.set_model(build("sgd", seed=4))
     with pytest.warns(CorruptCheckpointWarning, match="manifest"):
         checkpoint.on_train_begin()
-    assert checkpoint.last_restored.meta["epoch"] == 2
+    assert checkpoint.last_restored.meta["epoch"] == EPOCHS  # the newest file
 
 
 @pytest.mark.slow
-def test_orphaned_temporaries_are_removed_and_foreign_files_kept(tmp_path):
-    (tmp_path / ".ckpt-00000009.npz.deadbeef.tmp").write_bytes(b"half a checkpoint")
-    (tmp_path / ".manifest.json.0badf00d.tmp").write_bytes(b"{")
-    (tmp_path / "notes.txt").write_text("mine")
-    (tmp_path / "ckpt-final.npz").write_bytes(b"user file, not ours")
-    model, ds = build("sgd"), dataset()
-    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
-    names = set(os.listdir(tmp_path))
-    assert not any(n.endswith(".tmp") for n in names)
-    assert {"notes.txt", "ckpt-final.npz", "manifest.json"} <= names
-
-
-@pytest.mark.slow
-def test_checkpoint_of_another_model_is_a_clear_error_before_training(tmp_path):
-    model, ds = build("sgd"), dataset()
-    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+def test_checkpoint_of_another_model_is_a_clear_error_before_training(tmp_path, reference):
+    directory = copy_of(reference("sgd").directory, tmp_path)
 
     @kmk.distributed(global_batch_size=16)
     def other():
@@ -274,7 +363,9 @@ def test_checkpoint_of_another_model_is_a_clear_error_before_training(tmp_path):
 
     counter = CountBatches()
     with pytest.raises(CheckpointError, match="does not match this model"):
-        other().fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path), counter])
+        other().fit(
+            dataset(), epochs=1, verbose=0, callbacks=[SyncedCheckpoint(directory), counter]
+        )
     assert counter.batches == 0
 
 
@@ -318,7 +409,8 @@ def test_unsynchronised_batch_norm_statistics_are_reported_not_raised(tmp_path, 
     # 2 replicas see different halves of each batch, so moving statistics diverge.
     ds = kmk.make_dataset(x, y, 16, seed=2)
     caplog.set_level(logging.INFO, logger="keras_mirror_kit")
-    model.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
+    checkpoint = SyncedCheckpoint(tmp_path, save_freq=3, dataset=ds)  # 2 saves, 2 checks
+    model.fit(ds, epochs=1, verbose=0, callbacks=[checkpoint])
     copies = model.distribute_strategy.experimental_local_results(bn.moving_mean.value)
     assert not np.array_equal(np.asarray(copies[0]), np.asarray(copies[1]))
     warned = [
@@ -327,7 +419,8 @@ def test_unsynchronised_batch_norm_statistics_are_reported_not_raised(tmp_path, 
         if r.levelno == logging.WARNING and "moving statistics differ" in r.getMessage()
     ]
     assert len(warned) == 1 and "sync_batch_norm=True" in warned[0]  # once per fit()
-    assert json.loads((tmp_path / "manifest.json").read_text())["checkpoints"]
+    # ...and saved anyway, at both saves (a check before each).
+    assert len(json.loads((tmp_path / "manifest.json").read_text())["checkpoints"]) == 2
 
 
 @pytest.mark.parametrize(
@@ -376,65 +469,55 @@ def test_dataset_with_steps_per_epoch_is_rejected_before_training(tmp_path):
 
 
 @pytest.mark.slow
-def test_no_warning_on_a_clean_resume(tmp_path):
-    model, ds = build("sgd"), dataset()
-    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
-    checkpoint = SyncedCheckpoint(tmp_path, dataset=ds)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        build("sgd").fit(ds, epochs=2, verbose=0, callbacks=[checkpoint])
-    assert checkpoint.last_restored is not None  # it did resume...
-    assert not [w for w in caught if issubclass(w.category, CorruptCheckpointWarning)]
-
-
-@pytest.mark.slow
-def test_a_random_shuffle_seed_is_saved_and_reused_on_resume(tmp_path):
+def test_a_random_shuffle_seed_is_saved_and_reused_on_resume(tmp_path, resumer):
     x, y = data()
     model, ds = build("sgd"), kmk.make_dataset(x, y, 16)  # seed drawn at random
     crashed_seed = kmk.cursor_of(ds).seed
     with pytest.raises(KeyboardInterrupt):
         model.fit(
             ds,
-            epochs=3,
+            epochs=2,
             verbose=0,
-            callbacks=[SyncedCheckpoint(tmp_path, save_freq=1, dataset=ds), StopAt(1, 2)],
+            callbacks=[SyncedCheckpoint(tmp_path, save_freq=1, dataset=ds), StopAt(0, 2)],
         )
     again = kmk.make_dataset(x, y, 16)
     assert kmk.cursor_of(again).seed != crashed_seed  # a new random draw...
     checkpoint, counter = SyncedCheckpoint(tmp_path, save_freq=1, dataset=again), CountBatches()
-    build("sgd", seed=4).fit(again, epochs=3, verbose=0, callbacks=[checkpoint, counter])
+    resumer.fit(again, epochs=2, verbose=0, callbacks=[checkpoint, counter])
     assert kmk.cursor_of(again).seed == crashed_seed  # ...replaced by the checkpoint's
     assert checkpoint.last_restored.meta["data_seed"] == crashed_seed
-    assert counter.batches == 3 + 6  # the rest of epoch 1, then epoch 2
+    assert counter.batches == 3 + 6  # the rest of epoch 0, then epoch 1
 
 
 @pytest.mark.slow
-def test_an_interrupted_fit_does_not_leave_the_resume_epoch_behind(tmp_path):
-    model, ds = build("sgd"), dataset()
-    model.fit(ds, epochs=2, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
-    fresh, checkpoint = build("sgd", seed=5), SyncedCheckpoint(tmp_path, dataset=ds)
-    with pytest.raises(KeyboardInterrupt):  # resumes at epoch 2, then is interrupted
-        fresh.fit(ds, epochs=4, verbose=0, callbacks=[checkpoint, StopAt(2, 1)])
+def test_an_interrupted_fit_does_not_leave_the_resume_epoch_behind(
+    tmp_path, crashed_at_boundary, resumer
+):
+    directory = copy_of(crashed_at_boundary("sgd"), tmp_path)  # newest: epoch 1
+    ds = dataset()
+    model, checkpoint = resumer, SyncedCheckpoint(directory, dataset=ds)
+    with pytest.raises(KeyboardInterrupt):  # resumes at epoch 1, then is interrupted
+        model.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[checkpoint, StopAt(1, 1)])
+    assert checkpoint.last_restored.meta["epoch"] == 1
     # Keras skipped on_train_end; the resume epoch was cleared once the loop had read it.
-    assert fresh._initial_epoch is None  # noqa: SLF001
+    assert model._initial_epoch is None  # noqa: SLF001
     counter = CountBatches()
-    fresh.fit(ds, epochs=1, verbose=0, callbacks=[counter])  # without the checkpoint
+    model.fit(ds, epochs=1, verbose=0, callbacks=[counter])  # without the checkpoint
     assert counter.batches == 6  # a normal later fit: epoch 0 runs, nothing skipped
 
 
 @pytest.mark.slow
-def test_reusing_the_instance_after_fit_raised_resumes_like_a_new_one(tmp_path):
+def test_reusing_the_instance_after_fit_raised_resumes_like_a_new_one(tmp_path, reference):
     """Issue 18, rough edge: a retry with the same instance resumes exactly."""
-    reference = uninterrupted("sgd", tmp_path)
     model, ds = build("sgd"), dataset()
     checkpoint = SyncedCheckpoint(tmp_path / "run", dataset=ds)
     with pytest.raises(KeyboardInterrupt):
         model.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[checkpoint, StopAt(2, 3)])
     counter = CountBatches()  # the retry: same model (trained past the checkpoint)
     model.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[checkpoint, counter])
-    assert checkpoint.last_restored.meta["epoch"] == 2
-    assert counter.batches == 12 and int(model.optimizer.iterations.numpy()) == 24
-    assert max_diff(reference, model.get_weights()) <= 1e-6
+    assert checkpoint.last_restored.meta["epoch"] == 2  # the newer of two epoch boundaries
+    assert counter.batches == 6 and int(model.optimizer.iterations.numpy()) == 18
+    assert max_diff(reference("sgd").weights, model.get_weights()) <= 1e-6
 
 
 TRAINED_IDS: list[int] = []
@@ -530,7 +613,7 @@ class _Payload:
 
 
 @pytest.mark.slow
-def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path, capsys):
+def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path, capsys, reference):
     """docs/security.md: checkpoints are read with NumPy's allow_pickle=False. A checkpoint
     whose first variable is replaced by a pickled object array of the right shape, with a
     manifest entry that matches it (someone who can write the directory), is skipped as
@@ -542,12 +625,11 @@ def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path, capsys):
     from keras_mirror_kit import cli
     from keras_mirror_kit.checkpoint import store as checkpoint_store
 
-    directory, marker = tmp_path / "ckpt", tmp_path / "unpickled"
-    model, ds = build("sgd"), dataset()
-    model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(directory, dataset=ds)])
+    directory, marker = copy_of(reference("sgd").directory, tmp_path), tmp_path / "unpickled"
     manifest = json.loads((directory / "manifest.json").read_text())
-    good, evil = directory / manifest["latest"], directory / "ckpt-00000002.npz"
-    pickled = np.empty(model.weights[0].shape, dtype=object)
+    good = directory / manifest["latest"]
+    evil = directory / f"ckpt-{int(good.stem.split('-')[1]) + 1:08d}.npz"  # the next one
+    pickled = np.empty(reference("sgd").weights[0].shape, dtype=object)
     pickled[...] = _Payload(str(marker))
     with zipfile.ZipFile(good) as src, zipfile.ZipFile(evil, "w") as dst:
         for name in src.namelist():
@@ -573,7 +655,7 @@ def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path, capsys):
     fresh, ds = build("sgd", seed=1), dataset()
     checkpoint = SyncedCheckpoint(directory, dataset=ds)
     with pytest.warns(CorruptCheckpointWarning, match="holds Python objects"):
-        fresh.fit(ds, epochs=2, verbose=0, callbacks=[checkpoint])
+        fresh.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[checkpoint])
     assert checkpoint.last_restored.path.name == manifest["checkpoints"][-2]["file"]
     assert not marker.exists(), "the checkpoint's pickle was loaded"
     capsys.readouterr()

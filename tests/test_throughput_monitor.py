@@ -2,7 +2,9 @@
 
 No test bounds wall-clock time: rates are compared with an independent measurement of the
 same steps (a second callback that timestamps first-step begins and batch ends), or with each
-other.
+other. The module's 3-epoch fit is of a new model (its first step traces the train step); the
+other tests of the 2-replica model of `build()` each fit one model built for the module
+(`trained_model`), whose step counts they take relative to what it did before.
 """
 
 from __future__ import annotations
@@ -57,6 +59,16 @@ def build(steps_per_execution: int = 1, devices: list[str] | None = None) -> ker
         return model
 
     return factory()
+
+
+@pytest.fixture(scope="module")
+def trained_model() -> keras.Model:
+    """`build()` once for the module: each test's fit adds to what it has trained."""
+    return build()
+
+
+def _steps(model: keras.Model) -> int:
+    return int(model.optimizer.iterations.numpy())
 
 
 class Timestamps(keras.callbacks.Callback):
@@ -227,7 +239,7 @@ def test_steps_per_execution_counts_steps_not_calls():
 
 
 @pytest.mark.slow
-def test_validation_time_is_excluded():
+def test_validation_time_is_excluded(trained_model):
     class SlowValidation(keras.callbacks.Callback):
         """Makes validation take twice the epoch's training time."""
 
@@ -241,7 +253,7 @@ def test_validation_time_is_excluded():
             seconds = self.stamps.epoch_seconds(epoch, after_batch=1 if epoch == 0 else None)
             time.sleep(2 * seconds / self.batches)
 
-    model = build()
+    model = trained_model
     monitor = ThroughputMonitor()
     stamps = Timestamps()
     train = kmk.make_dataset(X, Y, GBS, seed=0)
@@ -314,8 +326,8 @@ def test_arguments_contradicting_the_distribution(kwargs, match):
 
 
 @pytest.mark.slow
-def test_arguments_agreeing_with_the_distribution_are_accepted():
-    model = build()
+def test_arguments_agreeing_with_the_distribution_are_accepted(trained_model):
+    model = trained_model
     monitor = ThroughputMonitor(global_batch_size=GBS, num_replicas=2)
     model.fit(X, Y, batch_size=GBS, epochs=1, verbose=0, callbacks=[monitor])
     assert monitor.summary()["measured_steps"] == 18
@@ -441,18 +453,18 @@ class _Probe(keras.callbacks.Callback):
 
 
 @pytest.mark.slow
-def test_hot_path_leaves_the_meter_alone_until_the_epoch_ends():
+def test_hot_path_leaves_the_meter_alone_until_the_epoch_ends(trained_model):
     """Past warm-up a batch end only notes its index: the meter sees one call per epoch.
 
     The steps are counted at the epoch end (same time attributed), and a mid-epoch
     `summary()` still counts the steps done so far.
     """
-    model = build()
+    model, before = trained_model, _steps(trained_model)
     monitor = ThroughputMonitor(warmup_steps=2)
     probe = _Probe(monitor, at_batch=10)
     data = kmk.make_dataset(X, Y, GBS, seed=1)  # 20 steps per epoch
     model.fit(data, epochs=2, verbose=0, callbacks=[monitor, probe])
-    assert model.optimizer.iterations.numpy() == 40
+    assert _steps(model) == before + 40
     assert probe.seen["warmup_steps"] == 2
     assert probe.seen["measured_steps"] == 8  # steps 2-9 of epoch 0 are done at begin 10
     summary = monitor.summary()
@@ -463,9 +475,9 @@ def test_hot_path_leaves_the_meter_alone_until_the_epoch_ends():
 
 
 @pytest.mark.slow
-def test_batch_reports_give_the_meter_only_the_due_steps():
+def test_batch_reports_give_the_meter_only_the_due_steps(trained_model):
     """With log_every_n_steps, past warm-up the meter is called once per report."""
-    model = build()
+    model = trained_model
     monitor = ThroughputMonitor(warmup_steps=2, log_every_n_steps=5)
     probe = _Probe(monitor, at_batch=-1)
     stamps = Timestamps()
@@ -478,7 +490,7 @@ def test_batch_reports_give_the_meter_only_the_due_steps():
 
 
 @pytest.mark.slow
-def test_keras_runs_batch_ends_on_the_main_thread_with_tensorflow():
+def test_keras_runs_batch_ends_on_the_main_thread_with_tensorflow(trained_model):
     """What docs/throughput.md ("No extra synchronisation") and CHANGELOG.md state.
 
     With the TensorFlow backend Keras 3 dispatches `on_train_batch_end` on the main thread
@@ -497,7 +509,7 @@ def test_keras_runs_batch_ends_on_the_main_thread_with_tensorflow():
         def on_train_batch_end(self, batch, logs=None):
             self.on_main.append(threading.current_thread() is threading.main_thread())
 
-    model = build()
+    model = trained_model
     threads = Threads()
     data = kmk.make_dataset(X, Y, GBS, seed=1)
     model.fit(data, epochs=1, verbose=0, callbacks=[threads])  # the only callback
@@ -610,8 +622,8 @@ def test_flop_figures_are_samples_times_the_kits_count(two_replica_fit):
 
 
 @pytest.mark.slow
-def test_given_flops_and_peak_make_mfu_with_the_cpu_counted_once():
-    model = build()
+def test_given_flops_and_peak_make_mfu_with_the_cpu_counted_once(trained_model):
+    model = trained_model
     data = kmk.make_dataset(X, Y, GBS, seed=0)
     monitor = ThroughputMonitor(flops_per_sample=1.0e6, peak_flops=1.0e10)
     with Records() as records:
@@ -626,11 +638,11 @@ def test_given_flops_and_peak_make_mfu_with_the_cpu_counted_once():
 
 
 @pytest.mark.slow
-def test_a_stored_cpu_roof_gives_mfu(tmp_path, monkeypatch):
+def test_a_stored_cpu_roof_gives_mfu(tmp_path, monkeypatch, trained_model):
     """What `keras-mirror-kit bench --roof` stores is what the monitor divides by."""
     monkeypatch.setenv("KMK_ROOF_FILE", str(tmp_path / "roof.json"))
     store_roof({"fp32": {"flops_per_sec": 2.0e11}}, cpu=cpu_name())
-    model = build()
+    model = trained_model
     monitor = ThroughputMonitor()
     with Records() as records:
         history = model.fit(

@@ -3,8 +3,13 @@
 Each case builds the same model (same weights) on 1 and on 2 replicas of this process and
 compares loss, every compiled metric (unweighted and weighted) and the predicted rows, on
 sizes that leave a last batch of 13 samples (split 7/6), 1 sample (1/0: a replica without
-any), and a set smaller than one global batch. Training keeps its rule: a kit dataset whose
-last batch would split unevenly is refused before any step.
+any), and a set smaller than one global batch; 1 replica, which gives the same results for
+the same batches of the same rows whatever feeds them (arrays, `tf.data`, `make_dataset`),
+evaluates and predicts each once. One model on 1 replica and one on 2 (same
+weights) answer every size of `evaluate` and `predict`: neither changes a weight, Keras
+builds a model once, and the first batch of each call is split anew (they also serve the
+tests below that train them, which give them their weights back). Training keeps its rule:
+a kit dataset whose last batch would split unevenly is refused before any step.
 """
 
 from __future__ import annotations
@@ -67,45 +72,69 @@ def weights() -> list[np.ndarray]:
     return model.get_weights()
 
 
-def _evaluations(model: keras.Model, n: int) -> dict[str, list[float]]:
+@pytest.fixture(scope="module")
+def models(weights) -> tuple[keras.Model, keras.Model]:
+    """The model on 1 and on 2 replicas with `weights`, for evaluate and predict only."""
+    return _build(ONE, weights), _build(TWO, weights)
+
+
+EVALUATIONS = ["arrays", "arrays, one batch", "arrays, weighted", "tf.data", "make_dataset"]
+# On 1 replica these are the batches of 16 of "arrays" (the rows, in order): the same
+# evaluation bit for bit, so the 1-replica reference evaluates those batches once.
+SAME_ON_ONE_REPLICA = {"tf.data": "arrays", "make_dataset": "arrays"}
+
+
+def _evaluations(
+    model: keras.Model, n: int, cases: list[str] = EVALUATIONS
+) -> dict[str, list[float]]:
     x, y = _images(n, seed=n)
     w = np.linspace(0.5, 1.5, n).astype("float32")  # weighted metrics see real weights
     plain = tf.data.Dataset.from_tensor_slices((x.astype("float32"), y)).batch(GLOBAL)
-    # uint8 stored, cast on each replica (the model itself rescales by 1/255)
-    kit = kmk.make_dataset(x, y, GLOBAL, shuffle=False, preprocess=kmk.rescale(1.0))
-    return {
-        "arrays": model.evaluate(x.astype("float32"), y, verbose=0),
-        "arrays, one batch": model.evaluate(x.astype("float32"), y, batch_size=64, verbose=0),
-        "arrays, weighted": model.evaluate(x.astype("float32"), y, sample_weight=w, verbose=0),
-        "tf.data": model.evaluate(plain, verbose=0),
-        "make_dataset": model.evaluate(kit, verbose=0),
+    calls = {
+        "arrays": lambda: model.evaluate(x.astype("float32"), y, verbose=0),
+        "arrays, one batch": lambda: model.evaluate(
+            x.astype("float32"), y, batch_size=64, verbose=0
+        ),
+        "arrays, weighted": lambda: model.evaluate(
+            x.astype("float32"), y, sample_weight=w, verbose=0
+        ),
+        "tf.data": lambda: model.evaluate(plain, verbose=0),
+        # uint8 stored, cast on each replica (the model itself rescales by 1/255)
+        "make_dataset": lambda: model.evaluate(
+            kmk.make_dataset(x, y, GLOBAL, shuffle=False, preprocess=kmk.rescale(1.0)), verbose=0
+        ),
     }
+    return {case: calls[case]() for case in cases}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [29, 61, 1, 3])
-def test_evaluate_on_two_replicas_equals_one_replica(weights, n):
-    one, two = _build(ONE, weights), _build(TWO, weights)
-    expected, got = _evaluations(one, n), _evaluations(two, n)
-    for case in expected:
-        close = np.allclose(got[case], expected[case], atol=TOLERANCE, rtol=0)
-        assert close, (case, got, expected)
+def test_evaluate_on_two_replicas_equals_one_replica(models, n):
+    one, two = models
+    got = _evaluations(two, n)
+    reference = _evaluations(one, n, [c for c in EVALUATIONS if c not in SAME_ON_ONE_REPLICA])
+    for case in EVALUATIONS:
+        expected = reference[SAME_ON_ONE_REPLICA.get(case, case)]
+        close = np.allclose(got[case], expected, atol=TOLERANCE, rtol=0)
+        assert close, (case, got, reference)
 
 
 @pytest.mark.slow
-def test_validation_of_any_size_during_fit_equals_one_replica(weights):
+def test_validation_of_any_size_during_fit_equals_one_replica(models, weights):
     """The crash of the issue: a kit dataset to train on (stored dtype on the replicas) and
     29 validation samples, evaluated in one batch of 32 split 15/14 after the epoch."""
     x, y = _images(64, seed=2)
     xv, yv = _images(29, seed=3)
     histories = []
-    for devices in (ONE, TWO):
-        model = _build(devices, weights)
-        train = kmk.make_dataset(x, y, GLOBAL, seed=0, preprocess=kmk.rescale(1.0))
-        history = model.fit(
-            train, epochs=2, validation_data=(xv.astype("float32"), yv), verbose=0
-        ).history
-        histories.append(history)
+    for model in models:  # trained here, then given their weights back
+        try:
+            train = kmk.make_dataset(x, y, GLOBAL, seed=0, preprocess=kmk.rescale(1.0))
+            history = model.fit(
+                train, epochs=2, validation_data=(xv.astype("float32"), yv), verbose=0
+            ).history
+            histories.append(history)
+        finally:
+            model.set_weights(weights)
     one, two = histories
     assert set(two) == set(one) and "val_loss" in two
     for key in one:
@@ -114,27 +143,33 @@ def test_validation_of_any_size_during_fit_equals_one_replica(weights):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 3, 29])
-def test_predict_returns_every_row_in_order_on_two_replicas(weights, n):
+def test_predict_returns_every_row_in_order_on_two_replicas(models, n):
     x, _ = _images(n, seed=10 + n)
-    one, two = _build(ONE, weights), _build(TWO, weights)
+    one, two = models
+    expected = one.predict(x.astype("float32"), verbose=0)  # 1 replica: the same rows each way
     for data in (
         x.astype("float32"),
         tf.data.Dataset.from_tensor_slices(x.astype("float32")).batch(GLOBAL),
         kmk.make_dataset(x.astype("float32"), batch_size=GLOBAL, shuffle=False),
     ):
-        expected, got = one.predict(data, verbose=0), two.predict(data, verbose=0)
+        got = two.predict(data, verbose=0)
         assert got.shape == (n, 3)
         np.testing.assert_allclose(got, expected, atol=TOLERANCE, rtol=0)
 
 
 @pytest.mark.slow
-def test_training_on_a_last_batch_that_splits_unevenly_is_refused_before_any_step(weights):
-    model = _build(TWO, weights)
+def test_training_on_a_last_batch_that_splits_unevenly_is_refused_before_any_step(models):
+    model = models[1]
     x, y = _images(17, seed=4)  # last batch of 1: one replica would get nothing
     dataset = kmk.make_dataset(x.astype("float32"), y, GLOBAL, shuffle=False)
-    with pytest.raises(ValueError, match=r"last batch holds 1 samples.*2 replicas"):
-        model.fit(dataset, epochs=1, verbose=0)
-    assert int(model.optimizer.iterations.numpy()) == 0
+    steps, weights = int(model.optimizer.iterations.numpy()), model.get_weights()
+    try:
+        with pytest.raises(ValueError, match=r"last batch holds 1 samples.*2 replicas"):
+            model.fit(dataset, epochs=1, verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == steps  # no step
+        assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), weights))
+    finally:
+        model.set_weights(weights)  # the models fixture's weights, whatever happened
     model.evaluate(dataset, verbose=0)  # evaluation takes it
 
 
@@ -159,9 +194,18 @@ def test_plain_keras_still_fails_on_an_uneven_first_batch(weights):
         model.evaluate(x, y, batch_size=32, verbose=0)  # one batch, split 15/14
 
 
-def test_a_shuffled_kit_dataset_is_evaluated_and_validated_whole():
+@pytest.mark.slow  # seconds: a 2-replica model's evaluate and fit
+def test_a_shuffled_kit_dataset_is_evaluated_and_validated_whole(models):
     x, y = _images(45, seed=11)  # 2 full global batches and 13 samples
-    model = _build(TWO)
+    model = models[1]  # trained here, then given its weights back (finally, below)
+    weights = model.get_weights()
+    try:
+        _evaluate_and_validate_a_shuffled_kit_dataset(model, x, y)
+    finally:
+        model.set_weights(weights)
+
+
+def _evaluate_and_validate_a_shuffled_kit_dataset(model, x, y):
     ds = kmk.make_dataset(x, y, GLOBAL, seed=0)  # shuffled: training drops the 13
     assert sum(len(b) for _, b in ds) == 32
     reference = model.evaluate(x, y, batch_size=GLOBAL, verbose=0, return_dict=True)
@@ -170,8 +214,6 @@ def test_a_shuffled_kit_dataset_is_evaluated_and_validated_whole():
         assert abs(whole[name] - value) <= TOLERANCE, (name, whole, reference)
     # As validation_data: the epoch's val_loss is the loss of all 45 samples too.
     train = kmk.make_dataset(x[:32], y[:32], GLOBAL, seed=1)
-    weights = model.get_weights()
     history = model.fit(train, validation_data=ds, epochs=1, verbose=0)
     after = model.evaluate(x, y, batch_size=GLOBAL, verbose=0, return_dict=True)
     assert abs(history.history["val_loss"][0] - after["loss"]) <= TOLERANCE
-    model.set_weights(weights)

@@ -4,10 +4,16 @@ Every case builds the same model (same weights) on 1 and on 2 replicas of this p
 compares weights, per-epoch losses and val_loss, `evaluate` and `predict`, on data whose last
 batch tf.distribute splits unevenly (269 rows at a global batch of 64: 13 rows, split 7/6),
 for arrays, plain `tf.data` and kit datasets, with `sample_weight`, `class_weight` and a
-masked sequence loss. Evaluation and prediction of 1, 2, 3 and 77 rows run a Conv2D +
-BatchNormalization model on 3-channel images through a layer that fails if a replica ever
-computes on an empty part, so the test does not depend on the host's oneDNN having the
-empty-batch bug (`keras_replica_shares.probe_empty_conv`).
+masked sequence loss. The unweighted cases feed 1 replica the same rows in the same batches
+(validation: the same 29 rows in one batch), so they share one 1-replica run (on arrays);
+each 2-replica run is its own. Evaluation and prediction of 1, 2, 3 and 77 rows run a
+Conv2D + BatchNormalization model on 3-channel images through a layer that fails if a
+replica ever computes on an empty part, so the test does not depend on the host's oneDNN
+having the empty-batch bug (`keras_replica_shares.probe_empty_conv`); one 1-replica and one
+2-replica model (same weights) answer every size: Keras rebuilds nothing per call, and the
+first batch of each call is split anew; 1 replica evaluates and predicts each size once, on
+arrays (the datasets are the same batches of the same rows). The CNN trained on 77 images
+(7/6) validates on one row (1/0) after each epoch: one pair of runs for both properties.
 """
 
 from __future__ import annotations
@@ -102,8 +108,9 @@ def _run(devices, fit_kwargs, data, eval_rows=29):
     return model, history, model.evaluate(x, y, verbose=0), model.predict(x, verbose=0)
 
 
-def _compare(fit_kwargs, data):
-    one, two = _run(ONE, fit_kwargs, data), _run(TWO, fit_kwargs, data)
+def _compare(one, fit_kwargs, data):
+    """`one`: the 1-replica run these arguments give (`_run(ONE, ...)`)."""
+    two = _run(TWO, fit_kwargs, data)
     _weights_close(one[0], two[0])
     assert set(one[1]) == set(two[1])
     for key in one[1]:
@@ -148,16 +155,36 @@ CASES = {
     "plain tf.data": (_plain_dataset, {"validation_data": (XV, YV)}),
     "kit dataset, last batch kept": (_kit_dataset, {"validation_data": _validation_dataset}),
 }
+# The case whose 1-replica run each case is compared with: on 1 replica the unweighted cases
+# are the same batches of the same rows (so the same run, bit for bit), the weighted ones not.
+REFERENCE = {case: case if "weight" in case else "arrays" for case in CASES}
+
+
+def _fit_kwargs(case):
+    _, fit_kwargs = CASES[case]
+    return {
+        k: (v() if callable(v) and k == "validation_data" else v) for k, v in fit_kwargs.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def one_replica_runs():
+    """`run(case)`: the 1-replica run of `REFERENCE[case]`, made once for the module."""
+    runs = {}
+
+    def run(case):
+        reference = REFERENCE[case]
+        if reference not in runs:
+            runs[reference] = _run(ONE, _fit_kwargs(reference), CASES[reference][0])
+        return runs[reference]
+
+    return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_replicas_train_like_one_on_an_uneven_last_batch(case):
-    data, fit_kwargs = CASES[case]
-    kwargs = {
-        k: (v() if callable(v) and k == "validation_data" else v) for k, v in fit_kwargs.items()
-    }
-    history = _compare(kwargs, data)
+def test_two_replicas_train_like_one_on_an_uneven_last_batch(one_replica_runs, case):
+    history = _compare(one_replica_runs(case), _fit_kwargs(case), CASES[case][0])
     assert len(history["loss"]) == 2
 
 
@@ -199,6 +226,7 @@ def test_a_masked_loss_weighs_each_replica_by_its_valid_entries():
             verbose=0,
             # traced after the train step: nothing of its weighting may leak into it
             validation_data=(tokens[200:], labels[200:]),
+            validation_freq=2,  # once, after the last epoch: only its presence is checked
         ).history
         history["train_again"] = model.fit(
             tokens, labels, epochs=1, shuffle=False, verbose=0
@@ -207,7 +235,7 @@ def test_a_masked_loss_weighs_each_replica_by_its_valid_entries():
     _weights_close(results[0][0], results[1][0])
     _close(results[0][1]["loss"], results[1][1]["loss"], "loss")
     _close(results[0][1]["train_again"], results[1][1]["train_again"], "loss")
-    assert "val_loss" in results[1][1]
+    assert len(results[1][1]["val_loss"]) == 1  # validated (after epoch 2), before train_again
 
 
 class OwnComputeLoss(keras.Model):
@@ -337,38 +365,61 @@ def conv_weights():
     return model.get_weights()
 
 
+@pytest.fixture(scope="module")
+def conv_models(conv_weights):
+    """The CNN on 1 and on 2 replicas with the same weights, for evaluate and predict only."""
+    return _conv_bn(ONE, conv_weights), _conv_bn(TWO, conv_weights)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 2, 3, 77])
-def test_evaluate_and_predict_never_compute_on_an_empty_part(conv_weights, n):
+def test_evaluate_and_predict_never_compute_on_an_empty_part(conv_models, n):
     """1 row on 2 replicas leaves one empty; 77 rows at 16 end on 13 (7/6)."""
-    one, two = _conv_bn(ONE, conv_weights), _conv_bn(TWO, conv_weights)
+    one, two = conv_models
     x, y = _images(n, seed=n)
     datasets = [
         (x, y),
         (tf.data.Dataset.from_tensor_slices((x, y)).batch(16),),
         (kmk.make_dataset(x, y, 16, shuffle=False),),
     ]
+    # 1 replica: each input is the same batches of 16 of the same rows, so one reference.
+    expected = one.evaluate(x, y, verbose=0)
     for data in datasets:
-        _close(one.evaluate(*data, verbose=0), two.evaluate(*data, verbose=0), "evaluate")
+        _close(expected, two.evaluate(*data, verbose=0), "evaluate")
+    expected = one.predict(x, verbose=0)
     for data in (x, tf.data.Dataset.from_tensor_slices(x).batch(16)):
-        expected, got = one.predict(data, verbose=0), two.predict(data, verbose=0)
+        got = two.predict(data, verbose=0)
         assert got.shape == (n, 3)
         _close(expected, got, "predict")
 
 
-@pytest.mark.slow
-def test_a_cnn_with_synchronized_batch_norm_trains_like_one_replica_on_a_7_6_split(conv_weights):
-    """77 images at a global batch of 16: the last batch of 13 is split 7/6; synchronized
-    BatchNormalization computes the statistics of the whole batch."""
+@pytest.fixture(scope="module")
+def cnn_runs(conv_weights):
+    """The CNN trained 2 epochs on 77 images at 16 (last batch 13: 7/6) on 1 and on 2
+    replicas, validating on 1 row (1/0) after each epoch: [(model, history)] x 2."""
     x, y = _images(77, seed=5)
-    assert replica_parts(77 % 16, 2) == [7, 6]  # the split this test is about
     results = []
     for devices in (ONE, TWO):
         model = _conv_bn(devices, conv_weights)
-        history = model.fit(x, y, epochs=2, shuffle=False, verbose=0).history
+        history = model.fit(
+            x, y, epochs=2, shuffle=False, validation_data=_images(1, seed=3), verbose=0
+        ).history
         results.append((model, history))
-    assert _state_gap(results[0][0], results[1][0]) <= TOLERANCE
-    assert _history_gap(results[0][1], results[1][1]) <= TOLERANCE, results[1][1]
+    return results
+
+
+@pytest.mark.slow
+def test_a_cnn_with_synchronized_batch_norm_trains_like_one_replica_on_a_7_6_split(cnn_runs):
+    """77 images at a global batch of 16: the last batch of 13 is split 7/6; synchronized
+    BatchNormalization computes the statistics of the whole batch."""
+    assert replica_parts(77 % 16, 2) == [7, 6]  # the split this test is about
+    (one, one_history), (two, two_history) = cnn_runs
+    assert _state_gap(one, two) <= TOLERANCE
+    training = [k for k in two_history if not k.startswith("val_")]  # validation: below
+    assert "loss" in training and "accuracy" in training
+    one_training = {k: one_history[k] for k in training}
+    gap = _history_gap(one_training, {k: two_history[k] for k in training})
+    assert gap <= TOLERANCE, two_history
 
 
 def _gru(devices):
@@ -405,14 +456,10 @@ def test_an_embedding_and_gru_regression_trains_like_one_replica_on_a_7_6_split(
 
 
 @pytest.mark.slow
-def test_validation_of_one_row_during_fit_equals_one_replica(conv_weights):
-    x, y = _images(64, seed=2)
-    histories = []
-    for devices in (ONE, TWO):
-        model = _conv_bn(devices, conv_weights)
-        history = model.fit(x, y, epochs=1, validation_data=_images(1, seed=3), verbose=0)
-        histories.append(history.history)
-    assert "val_loss" in histories[1]  # the 1-row validation (split 1/0) ran
+def test_validation_of_one_row_during_fit_equals_one_replica(cnn_runs):
+    """The runs of the 7/6 test above validate on 1 row (split 1/0) after each epoch."""
+    histories = [history for _, history in cnn_runs]
+    assert len(histories[1]["val_loss"]) == 2  # the 1-row validation ran after each epoch
     assert _history_gap(*histories) <= TOLERANCE, histories
 
 
@@ -460,14 +507,14 @@ def test_the_empty_conv_probe_answers_on_this_hosts_kernels():
 
 @pytest.mark.slow
 def test_with_onednn_off_the_probe_and_the_empty_part_tests_see_the_reference_kernels():
-    """One child with oneDNN off: the empty-part tests pass on TensorFlow's reference kernels
+    """One child with oneDNN off: the empty-part tests (the 1-row cases of evaluate and
+    predict here and in `test_uneven_evaluation.py`) pass on TensorFlow's reference kernels
     too, and the probe says those kernels are right (it says whichever this host's kernels
     do with oneDNN on: True on the AMD EPYC hosts of the issue)."""
-    tests = [
-        # Global batch 64, 1 row: the second replica's part is empty.
+    tests = [  # 1 row: the second replica's part is empty (the sizes that leave one)
         "tests/test_uneven_training.py::test_evaluate_and_predict_never_compute_on_an_empty_part[1]",
-        "tests/test_uneven_evaluation.py::test_predict_returns_every_row_in_order_on_two_replicas",
-        "tests/test_uneven_evaluation.py::test_evaluate_on_two_replicas_equals_one_replica",
+        "tests/test_uneven_evaluation.py::test_predict_returns_every_row_in_order_on_two_replicas[1]",
+        "tests/test_uneven_evaluation.py::test_evaluate_on_two_replicas_equals_one_replica[1]",
     ]
     proc = run_python(
         "import sys, pytest\n"
@@ -479,7 +526,8 @@ def test_with_onednn_off_the_probe_and_the_empty_part_tests_see_the_reference_ke
         cwd=REPO,
         timeout=600,
     )
-    assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-2000:]
+    assert f"{len(tests)} passed" in proc.stdout, proc.stdout[-2000:]
+    assert "failed" not in proc.stdout, proc.stdout[-2000:]
     assert "PROBE False" in proc.stdout, proc.stdout[-2000:]
 
 
