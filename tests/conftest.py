@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import subprocess
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -88,12 +87,33 @@ def tensorflow_test_bed():
         configure_tensorflow()
 
 
-@pytest.fixture
-def library_children_forked(monkeypatch):
-    """`subprocess.run([sys.executable, ...])` in this test goes through `forkserver.run`: the
-    children the library starts in this process (`check_replicas`' child) are forked from the
-    zygote as a forked child's own are (anything else still gets a real `subprocess.run`)."""
-    monkeypatch.setattr(subprocess, "run", forkserver.run)
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """What a test (or its function fixtures) changed in `os.environ` is undone after it:
+    the children of the next test in this process (which inherit `os.environ`) see the
+    session's environment, whichever tests ran here before (the library itself sets
+    `XLA_FLAGS` in `simulate_replicas` on JAX). Module fixtures' changes stay theirs."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `--dist loadfile` (README's command) xdist sends modules in collection order
+    (`pytest_collection_modifyitems`, below), not by their number of tests."""
+    if getattr(config.option, "dist", None) == "loadfile":
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with the most `slow` tests first (each module's tests in their order): under
+    `--dist loadfile` the long modules start early and the many short ones fill the end."""
+    slow: dict[object, int] = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])
 
 
 _children_started = [0]
