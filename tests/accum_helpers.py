@@ -10,8 +10,6 @@ import json
 import os
 import sys
 
-os.environ.setdefault("KMK_SIMULATE_REPLICAS", "2")
-
 SAVE_FREQ = 3  # not a multiple of the accumulation steps: saves land between updates
 
 
@@ -69,4 +67,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # 2 simulated replicas as a script only: importing this module (a test's fixture does)
+    # must not change the environment the test process gives its other children.
+    os.environ.setdefault("KMK_SIMULATE_REPLICAS", "2")
     sys.exit(main())

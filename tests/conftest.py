@@ -87,17 +87,29 @@ def tensorflow_test_bed():
         configure_tensorflow()
 
 
-@pytest.fixture(autouse=True)
-def environment_restored():
-    """What a test (or its function fixtures) changed in `os.environ` is undone after it:
-    the children of the next test in this process (which inherit `os.environ`) see the
-    session's environment, whichever tests ran here before (the library itself sets
-    `XLA_FLAGS` in `simulate_replicas` on JAX). Module fixtures' changes stay theirs."""
+def _environment_kept():
+    """Yields once; then undoes what was changed in `os.environ` meanwhile."""
     before = dict(os.environ)
     yield
     if dict(os.environ) != before:
         os.environ.clear()
         os.environ.update(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def module_environment_restored():
+    """What a test module (its module fixtures included) changed in `os.environ` is undone
+    after it: the children of the next module's tests in this process, which inherit
+    `os.environ`, see the session's environment whichever module ran here before (a helper
+    that set `KMK_SIMULATE_REPLICAS` when a fixture imported it gave a later JAX child 2
+    devices)."""
+    yield from _environment_kept()
+
+
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Likewise for each test (and its function fixtures) within its module."""
+    yield from _environment_kept()
 
 
 def pytest_configure(config: pytest.Config) -> None:
