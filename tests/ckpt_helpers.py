@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import keras
 import numpy as np
 
@@ -85,3 +88,11 @@ class CountBatches(keras.callbacks.Callback):
 
 def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def copy_of(directory: Path, tmp_path: Path, name: str = "ckpt") -> Path:
+    """A copy of a checkpoint directory at `tmp_path / name`: a test resumes the copy of a
+    run its module made once, never the run itself."""
+    target = tmp_path / name
+    shutil.copytree(directory, target)
+    return target

@@ -87,6 +87,18 @@ def tensorflow_test_bed():
         configure_tensorflow()
 
 
+@pytest.fixture(scope="module")
+def resumer():
+    """One SGD model of `tests.ckpt_helpers.build` for a module's resumes whose checks do
+    not depend on the weights a model starts from (one trace for them all): only its first
+    fit starts from fresh weights, later ones from the previous test's, which a restore
+    replaces as for any instance (see tests/test_synced_checkpoint.py::
+    test_reusing_the_instance_after_fit_raised_resumes_like_a_new_one)."""
+    from tests.ckpt_helpers import build  # TensorFlow: only for the modules that use it
+
+    return build("sgd", seed=99)
+
+
 def _environment_kept():
     """Yields once; then undoes what was changed in `os.environ` meanwhile."""
     before = dict(os.environ)

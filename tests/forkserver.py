@@ -140,6 +140,7 @@ class _Channel:
 
 def _child_main(request: dict[str, Any], fds: list[int]) -> None:
     """In the forked child: become the requested program and exit as the interpreter does."""
+    global _may_start_zygotes  # noqa: PLW0603 (this process is the child now)
     code = 0
     try:
         signal.set_wakeup_fd(-1)
@@ -167,7 +168,7 @@ def _child_main(request: dict[str, Any], fds: list[int]) -> None:
         sys.argv = list(argv)
         _zygotes.clear()
         _zygotes.update(request["zygotes"])  # its own children fork from them too
-        _zygotes["may_start"] = False
+        _may_start_zygotes = False
         subprocess.run = run
         main = types.ModuleType("__main__")
         main.__dict__["__builtins__"] = __builtins__
@@ -393,10 +394,9 @@ def _drain(stream: Any, outputs: dict[str, Any], name: str) -> None:
     stream.close()
 
 
-# backend -> {"path", "env"} of a running zygote (None: it could not start); "may_start":
-# False in a forked child, which uses its parent's zygotes and never starts one.
-_zygotes: dict[str, Any] = {"may_start": True}
-_started: dict[str, dict[str, Any]] = {}  # backend -> {"proc", "folder"}: this process's own
+_zygotes: dict[str, dict[str, Any] | None] = {}  # backend -> {"path", "env"}; None: none
+_started: dict[str, dict[str, Any]] = {}  # backend -> {"proc", "path", "folder"}: its own
+_may_start_zygotes = True  # False in a forked child: it uses its parent's zygotes
 
 
 def _zygote_path(backend: str) -> str | None:
@@ -407,7 +407,7 @@ def _zygote_path(backend: str) -> str | None:
             _zygotes[backend] = None  # it died: new interpreters from now on
         return (_zygotes[backend] or {}).get("path")
     _zygotes[backend] = None
-    if not _zygotes["may_start"] or os.environ.get("KMK_TEST_FORK", "1") == "0":
+    if not _may_start_zygotes or os.environ.get("KMK_TEST_FORK", "1") == "0":
         return None
     if not hasattr(os, "fork"):
         return None
@@ -426,20 +426,20 @@ def _zygote_path(backend: str) -> str | None:
     _zygotes[backend] = {"path": path, "env": env}
     if not _started:
         atexit.register(_stop_zygotes)
-    _started[backend] = {"proc": proc, "folder": folder}
+    _started[backend] = {"proc": proc, "path": path, "folder": folder}
     return path
 
 
 def _stop_zygotes() -> None:
-    for backend, started in _started.items():
+    for started in _started.values():
         proc = started["proc"]
         proc.kill()
         proc.wait()
         proc.stdout.close()
         try:
-            os.unlink(_zygotes[backend]["path"])
+            os.unlink(started["path"])
             os.rmdir(started["folder"])
-        except (OSError, TypeError):
+        except OSError:
             pass
 
 
@@ -455,6 +455,13 @@ def _parse(args: list[str]) -> tuple[str, str, list[str], bool] | None:
     if rest and not rest[0].startswith("-"):
         return "script", rest[0], rest, unbuffered
     return None
+
+
+# What `popen` hands a forked child as `Popen` would: other arguments get a real Popen.
+_SERVED_KWARGS = {
+    "stdin", "stdout", "stderr", "env", "cwd", "text", "universal_newlines", "encoding",
+    "errors", "close_fds", "bufsize",
+}  # fmt: skip
 
 
 def _backend(args: Any, env: dict[str, str], kwargs: dict[str, Any]) -> str | None:
@@ -481,11 +488,6 @@ def _backend(args: Any, env: dict[str, str], kwargs: dict[str, Any]) -> str | No
     return backend
 
 
-# What `popen` hands a forked child as `Popen` would: other arguments get a real Popen.
-_SERVED_KWARGS = {
-    "stdin", "stdout", "stderr", "env", "cwd", "text", "universal_newlines", "encoding",
-    "errors", "close_fds", "bufsize",
-}  # fmt: skip
 _KERAS_DEFAULTS = {"floatx": "float32", "epsilon": 1e-07, "image_data_format": "channels_last"}
 
 
@@ -555,7 +557,7 @@ def popen(args: list[str], **kwargs: Any) -> Any:
     request = {
         "mode": mode, "target": target, "argv": argv, "unbuffered": unbuffered,
         "env": env, "cwd": os.fspath(cwd),
-        "zygotes": {name: z for name, z in _zygotes.items() if name in BACKENDS and z},
+        "zygotes": {name: z for name, z in _zygotes.items() if z},
     }  # fmt: skip
     if mode == "script":
         request["target"] = os.path.join(os.fspath(cwd), target)

@@ -7,7 +7,7 @@ mid-epoch resumes to the uninterrupted run's weights. Steps that cannot resume e
 without it; a map that draws from shared random state is warned about (`strict`: refused).
 The same 2-replica job as tests/test_synced_checkpoint.py: 6 batches an epoch. The
 uninterrupted run of the mapped pipeline (`mapped_reference`) and the model that resumes
-each crashed one (`resumer`, also for the cache) are made once for the module.
+each crashed one (`resumer`, tests/conftest.py, also for the cache) are made once for the module.
 """
 
 from __future__ import annotations
@@ -50,15 +50,6 @@ def mapped_reference(tmp_path_factory):
     """The weights of an uninterrupted fit() of the mapped pipeline (checkpointed)."""
     model, _, _ = run(tmp_path_factory.mktemp("reference") / "ckpt", "kit")
     return model.get_weights()
-
-
-@pytest.fixture(scope="module")
-def resumer():
-    """The model that resumes each crashed run below (one trace for the five): only the
-    first resume starts from fresh weights, the others from the previous test's, which the
-    restore replaces as for any instance
-    (tests/test_synced_checkpoint.py::test_reusing_the_instance_after_fit_raised_resumes_like_a_new_one)."""
-    return build("sgd", seed=99)
 
 
 @pytest.mark.slow

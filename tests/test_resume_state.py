@@ -5,8 +5,8 @@ The same 2-replica job as tests/test_synced_checkpoint.py: 96 samples, global ba
 checkpoints or trained from scratch before, and checks the weights, the batches trained
 or the refusal. Runs several tests start from are made once per module, read-only (tests
 resume copies of their directories): `crashed_mid_epoch`, `plain_run` (an uninterrupted
-run: weights and checkpoints), `two_stage_runs`; `resumer` is the one model that resumes
-`crashed_mid_epoch`'s copies (and the mid-epoch retention run).
+run: weights and checkpoints), `two_stage_runs`; `resumer` (tests/conftest.py) is the one
+model that resumes `crashed_mid_epoch`'s copies (and the mid-epoch retention run).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from typing import NamedTuple
 
 import keras
@@ -24,7 +23,15 @@ import tensorflow as tf
 
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
 from keras_mirror_kit.checkpoint.store import CheckpointError, CorruptCheckpointWarning
-from tests.ckpt_helpers import CountBatches, StopAt, build, data, dataset, max_diff
+from tests.ckpt_helpers import (
+    CountBatches,
+    StopAt,
+    build,
+    copy_of,
+    data,
+    dataset,
+    max_diff,
+)
 from tests.subproc import last_json, run_python
 
 
@@ -52,15 +59,6 @@ def crashed_mid_epoch(tmp_path_factory):
     return directory
 
 
-@pytest.fixture(scope="module")
-def resumer():
-    """The model that resumes the copies of `crashed_mid_epoch` and the retention run below
-    (one trace for all): only the first resume starts from fresh weights, the others from
-    the previous test's, which the restore replaces as for any instance
-    (tests/test_synced_checkpoint.py::test_reusing_the_instance_after_fit_raised_resumes_like_a_new_one)."""
-    return build("sgd", seed=99)
-
-
 class PlainRun(NamedTuple):
     weights: list[np.ndarray]
     directory: object
@@ -79,12 +77,6 @@ def plain_run(tmp_path_factory):
         callbacks=[SyncedCheckpoint(directory, save_freq=2, keep=3)],
     )
     return PlainRun(model.get_weights(), directory)
-
-
-def copy_of(directory, tmp_path, name="ckpt"):
-    target = tmp_path / name
-    shutil.copytree(directory, target)
-    return target
 
 
 # -- issue 11 item 1: a stop request at the end of a resumed epoch ------------------------

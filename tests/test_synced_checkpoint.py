@@ -6,8 +6,8 @@ same instance after a raise, of a finished run) are compared with an uninterrupt
 module, and its checkpoint directory (read-only; tests copy it) also serves the tests of
 a finished run, the optimizer state, an unreadable manifest, another model, corrupt and
 pickled checkpoints. `crashed_at_boundary` is one crashed run per optimizer whose copies
-several tests resume; `resumer` is one model for the tests whose checks do not depend on
-the weights a model starts from.
+several tests resume; `resumer` (tests/conftest.py) is one model for the tests whose
+checks do not depend on the weights a model starts from.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import warnings
 from typing import NamedTuple
 
@@ -27,7 +26,15 @@ import tensorflow as tf
 import keras_mirror_kit as kmk
 from keras_mirror_kit.callbacks.synced_checkpoint import ReplicaDivergenceError, SyncedCheckpoint
 from keras_mirror_kit.checkpoint.store import CheckpointError, CorruptCheckpointWarning
-from tests.ckpt_helpers import CountBatches, StopAt, build, data, dataset, max_diff
+from tests.ckpt_helpers import (
+    CountBatches,
+    StopAt,
+    build,
+    copy_of,
+    data,
+    dataset,
+    max_diff,
+)
 
 EPOCHS = 3  # 6 batches each, 18 optimizer steps
 
@@ -72,12 +79,6 @@ def reference(tmp_path_factory):
         return runs[optimizer, use_dataset]
 
     return get
-
-
-def copy_of(directory, tmp_path, name="ckpt"):
-    target = tmp_path / name
-    shutil.copytree(directory, target)
-    return target
 
 
 def crash(optimizer, directory, crash_at, use_dataset=True, **kwargs):
@@ -282,16 +283,6 @@ def test_keeps_the_newest_and_two_usable_resume_points_beyond_it(tmp_path, resum
         (1, 4, False),
     ]
     assert len([n for n in os.listdir(other) if n.endswith(".npz")]) == 2
-
-
-@pytest.fixture(scope="module")
-def resumer():
-    """One SGD model (one trace) for the tests whose checks do not depend on the weights a
-    model starts from: retention, the damaged copies resumed, the seed adopted, the resume
-    epoch cleared. Only its first fit starts from fresh weights; a restore replaces them as
-    for any instance (see test_reusing_the_instance_after_fit_raised_resumes_like_a_new_one).
-    The resumes compared with an uninterrupted run build a fresh model each."""
-    return build("sgd", seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -200,20 +200,16 @@ def test_a_shuffled_kit_dataset_is_evaluated_and_validated_whole(models):
     model = models[1]  # trained here, then given its weights back (finally, below)
     weights = model.get_weights()
     try:
-        _evaluate_and_validate_a_shuffled_kit_dataset(model, x, y)
+        ds = kmk.make_dataset(x, y, GLOBAL, seed=0)  # shuffled: training drops the 13
+        assert sum(len(b) for _, b in ds) == 32
+        reference = model.evaluate(x, y, batch_size=GLOBAL, verbose=0, return_dict=True)
+        whole = model.evaluate(ds, verbose=0, return_dict=True)
+        for name, value in reference.items():
+            assert abs(whole[name] - value) <= TOLERANCE, (name, whole, reference)
+        # As validation_data: the epoch's val_loss is the loss of all 45 samples too.
+        train = kmk.make_dataset(x[:32], y[:32], GLOBAL, seed=1)
+        history = model.fit(train, validation_data=ds, epochs=1, verbose=0)
+        after = model.evaluate(x, y, batch_size=GLOBAL, verbose=0, return_dict=True)
+        assert abs(history.history["val_loss"][0] - after["loss"]) <= TOLERANCE
     finally:
         model.set_weights(weights)
-
-
-def _evaluate_and_validate_a_shuffled_kit_dataset(model, x, y):
-    ds = kmk.make_dataset(x, y, GLOBAL, seed=0)  # shuffled: training drops the 13
-    assert sum(len(b) for _, b in ds) == 32
-    reference = model.evaluate(x, y, batch_size=GLOBAL, verbose=0, return_dict=True)
-    whole = model.evaluate(ds, verbose=0, return_dict=True)
-    for name, value in reference.items():
-        assert abs(whole[name] - value) <= TOLERANCE, (name, whole, reference)
-    # As validation_data: the epoch's val_loss is the loss of all 45 samples too.
-    train = kmk.make_dataset(x[:32], y[:32], GLOBAL, seed=1)
-    history = model.fit(train, validation_data=ds, epochs=1, verbose=0)
-    after = model.evaluate(x, y, batch_size=GLOBAL, verbose=0, return_dict=True)
-    assert abs(history.history["val_loss"][0] - after["loss"]) <= TOLERANCE
