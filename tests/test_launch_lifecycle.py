@@ -226,6 +226,9 @@ def test_no_worker_outlives_the_launcher(tmp_path, job, out, sig, form, off, mod
             stdout=subprocess.DEVNULL,
             stderr=stderr,
             start_new_session=True,  # so that the test can clean up after a failure
+            # As from a terminal: under `nohup pytest` the launcher would inherit SIGHUP
+            # ignored and rightly keep ignoring it (test_sighup_is_left_alone_under_nohup).
+            preexec_fn=_sighup_default,
         )  # fmt: skip
     pids: list[int] = []
     try:
@@ -273,6 +276,10 @@ def test_no_worker_outlives_the_launcher(tmp_path, job, out, sig, form, off, mod
         err = stderr_path.read_text()
         assert proc.returncode == 128 + signal.SIGHUP, err
         assert "received SIGHUP; stopping workers" in err
+
+
+def _sighup_default() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def test_sighup_is_left_alone_under_nohup(job, out):
