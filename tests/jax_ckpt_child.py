@@ -214,13 +214,14 @@ def main() -> int:
     # -- keep_best, kmk.restore and `keras-mirror-kit ckpt export` of a JAX checkpoint --------
     model, ds = build("adam"), dataset()
     # The highest val_loss ranks first (mode="max"): the first epoch's, which only keep_best
-    # keeps beyond the newest and the two resume points before it.
+    # keeps beyond the newest and the two resume points before it (5 epochs: the second
+    # epoch's is deleted, the first's kept).
     checkpoint = kmk.SyncedCheckpoint(
         root / "best", keep=1, keep_best=1, monitor="val_loss", mode="max"
     )
     validation = tuple(a[-48:] for a in data(144))  # samples not trained on
     history = model.fit(
-        ds, epochs=6, verbose=0, validation_data=validation, validation_batch_size=16,
+        ds, epochs=5, verbose=0, validation_data=validation, validation_batch_size=16,
         callbacks=[checkpoint],
     ).history  # fmt: skip
     fresh = build("adam", seed=99)

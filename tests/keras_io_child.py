@@ -40,7 +40,9 @@ first dataset down the pipeline whose features are strings or a dict, i.e. befor
 example's own vectorizing map; `color`: images told apart by their mean color, which
 survives the random flips and rotations of the augmentation); the script's own calls after
 `fit` (evaluate, predict); and the model saved to `.keras` and loaded back with
-`keras.models.load_model` (predictions on one validation sample, and its evaluation).
+`keras.models.load_model` (the predictions of both models on one validation sample, and the
+loaded model's evaluation of the validation data next to the resumed `fit`'s last
+validation, the fitted model's own evaluation of it).
 """
 
 from __future__ import annotations
@@ -375,13 +377,19 @@ def _custom_objects(namespace: dict[str, Any], names: list[str]) -> dict[str, An
 
 
 def _save_and_load(call: dict[str, Any], namespace: dict[str, Any], spec: dict[str, Any]):
-    """The fitted model saved to `.keras`, loaded back: largest differences on validation."""
+    """The fitted model saved to `.keras`, loaded back: its prediction on one validation
+    sample, and its evaluation of the validation data next to fit's last validation.
+
+    The fitted model's own evaluation is the one `fit` made after its last step (its last
+    epoch's `val_` logs, on 2 replicas): the loaded model (one device) evaluates the same
+    samples, batched as `fit` was given them.
+    """
     import keras
     import numpy as np
 
     model = call["model"]
-    first = validation_batches(call["args"])[0]
-    sample = _split(first[0], 0, 1)
+    batches = validation_batches(call["args"])
+    sample = _split(batches[0][0], 0, 1)
     path = os.path.abspath("saved_by_test.keras")
     model.save(path)
     loaded = keras.models.load_model(
@@ -389,14 +397,21 @@ def _save_and_load(call: dict[str, Any], namespace: dict[str, Any], spec: dict[s
     )
     predicted = model.predict(sample, verbose=0)
     reloaded = loaded.predict(sample, verbose=0)
-    x, y = first[0], first[1]
-    evaluated = np.asarray(model.evaluate(x, y, verbose=0), dtype="float64")
-    loaded_eval = np.asarray(loaded.evaluate(x, y, verbose=0), dtype="float64")
+    joined = lambda *leaves: np.concatenate([np.asarray(leaf) for leaf in leaves])  # noqa: E731
+    x = keras.tree.map_structure(joined, *[batch[0] for batch in batches])
+    y = keras.tree.map_structure(joined, *[batch[1] for batch in batches])
+    size = len(keras.tree.flatten(batches[0][0])[0])
+    loaded_eval = loaded.evaluate(x, y, batch_size=size, verbose=0, return_dict=True)
+    fitted = {
+        key[len("val_") :]: values[-1]
+        for key, values in call["history"].items()
+        if key.startswith("val_")
+    }
     return {
         "predict_diff": float(np.max(np.abs(np.asarray(predicted) - np.asarray(reloaded)))),
         "predict_shape": list(np.shape(predicted)),
-        "evaluated": evaluated.tolist(),
-        "loaded_evaluated": loaded_eval.tolist(),
+        "evaluated": fitted,
+        "loaded_evaluated": {key: float(value) for key, value in loaded_eval.items()},
         "weights_equal": all(
             np.array_equal(a, b) for a, b in zip(model.get_weights(), loaded.get_weights())
         ),

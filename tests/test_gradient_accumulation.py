@@ -55,23 +55,28 @@ def build(per_replica, accumulate, optimizer, warmup=False, **knobs):
     return factory()
 
 
-def train(per_replica, accumulate, optimizer, **kwargs):
-    model = build(per_replica, accumulate, optimizer, **kwargs)
+def fit(model):
     batch = kmk.distribution_of(model).global_batch_size
     ds = tf.data.Dataset.from_tensor_slices((X, Y)).batch(batch)  # same order in both runs
     model.fit(ds, epochs=1, verbose=0)
     return model
 
 
+def train(per_replica, accumulate, optimizer, **kwargs):
+    return fit(build(per_replica, accumulate, optimizer, **kwargs))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("optimizer", "tolerance"), [("sgd", 1e-5), ("adam", 2e-4)])
 def test_accumulating_16x4_follows_the_large_batch_64x1(optimizer, tolerance):
-    large = train(64, 1, optimizer, warmup=optimizer == "sgd")
+    large = build(64, 1, optimizer, warmup=optimizer == "sgd")
+    initial = large.get_weights()
+    fit(large)
     small = train(16, 4, optimizer, warmup=optimizer == "sgd")
     assert int(large.optimizer.iterations.numpy()) == UPDATES
     assert int(small.optimizer.iterations.numpy()) == UPDATES  # updates, not micro-batches
     assert int(small.optimizer._iterations.numpy()) == 4 * UPDATES
-    moved = max_diff(large.get_weights(), build(64, 1, optimizer).get_weights())
+    moved = max_diff(large.get_weights(), initial)
     assert moved > 100 * tolerance  # the runs really trained
     assert max_diff(small.get_weights(), large.get_weights()) <= tolerance
 
@@ -225,30 +230,54 @@ def uninterrupted(tmp_path_factory) -> list[np.ndarray]:
     return reference.get_weights()
 
 
+class MidAccumulation(keras.callbacks.Callback):
+    """After step 3 (epoch 0, batch 2: 3 of 4 micro-batches, no update yet), reads what a
+    save would: the state variables' paths, the replicas' copies (`check_replicas` raises
+    ReplicaDivergenceError where they differ) and the largest accumulated gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch = 0
+        self.seen: dict | None = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) != (0, 2):
+            return
+        named = state_variables(self.model)
+        check_replicas(self.model, named, atol=0.0)
+        optimizer = self.model.optimizer
+        self.seen = {
+            "paths": [v.path for _, v in named],
+            "iterations_path": optimizer._iterations.path,
+            "micro_steps": int(optimizer._iterations.numpy()),
+            "accumulated": [np.abs(v.numpy()).max() for v in optimizer._accumulated_gradients],
+        }
+
+
 @pytest.mark.slow
 def test_a_partial_accumulation_is_saved_alike_on_every_replica_and_resumed(
     tmp_path, uninterrupted
 ):
     """A crash between two updates: the accumulators (equal on both replicas) and the
-    micro-batch counter are in the checkpoint; the resume ends on the uninterrupted run."""
+    micro-batch counter are in the checkpoint; the resume ends on the uninterrupted run.
+    The crashed run's state is read after its 3rd step (`MidAccumulation`), mid-update."""
     from tests.accum_helpers import SAVE_FREQ, build_accumulating
-
-    model = build_accumulating("adam", 4)
-    model.fit(dataset(), epochs=1, verbose=0, steps_per_epoch=3)  # 3 of 4 micro-batches
-    named = state_variables(model)
-    paths = [v.path for _, v in named]
-    optimizer = model.optimizer
-    assert any("gradient_accumulator" in p for p in paths)
-    assert optimizer._iterations.path in paths
-    check_replicas(model, named, atol=0.0)  # raises ReplicaDivergenceError otherwise
-    accumulated = [np.abs(v.numpy()).max() for v in optimizer._accumulated_gradients]
-    assert max(accumulated) > 0  # mid-accumulation: something to lose
 
     crashed = build_accumulating("adam", 4)
     ds = dataset()
     checkpoint = SyncedCheckpoint(tmp_path / "ckpt", save_freq=SAVE_FREQ, dataset=ds)
+    probe = MidAccumulation()
     with pytest.raises(KeyboardInterrupt):  # after step 8 (epoch 1, batch 1): saved at 6
-        crashed.fit(ds, epochs=3, verbose=0, callbacks=[checkpoint, StopAt(1, 1)])
+        crashed.fit(ds, epochs=3, verbose=0, callbacks=[checkpoint, probe, StopAt(1, 1)])
+    seen = probe.seen
+    assert seen is not None and seen["micro_steps"] == 3  # 3 of 4 micro-batches
+    assert any("gradient_accumulator" in p for p in seen["paths"])
+    assert seen["iterations_path"] in seen["paths"]
+    assert max(seen["accumulated"]) > 0  # mid-accumulation: something to lose
+
     resumed = build_accumulating("adam", 4, seed=99)
     ds = dataset()
     checkpoint = SyncedCheckpoint(tmp_path / "ckpt", save_freq=SAVE_FREQ, dataset=ds)

@@ -50,15 +50,16 @@ def weights(path: str) -> list[np.ndarray]:
 @pytest.fixture(scope="module")
 def tf_written(tmp_path_factory) -> dict[str, Path]:
     """Checkpoints written here on TensorFlow: one epoch of a model with random layers; and
-    the same from a run past 2**40 optimizer steps."""
+    one more epoch of the same model (no second trace), run past 2**40 optimizer steps."""
     root = tmp_path_factory.mktemp("tf-written")
 
     class Wide(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             self.model.optimizer.iterations.assign(WIDE_STEP)
 
+    model = build("adam", random_layers=True)
     for name, extra in (("tf", []), ("tf-wide", [Wide()])):
-        model, ds = build("adam", random_layers=True), dataset()
+        ds = dataset()
         checkpoint = kmk.SyncedCheckpoint(root / name, dataset=ds)
         model.fit(ds, epochs=1, verbose=0, callbacks=[checkpoint, *extra])
     return {"tf": root / "tf", "tf-wide": root / "tf-wide"}
@@ -137,8 +138,8 @@ def test_keep_best_restore_and_export_of_a_jax_checkpoint(jax_run):
     losses = best["val_loss"]
     epoch = int(np.argmax(losses)) + 1  # mode="max"
     assert best["best_epoch"] == epoch and best["best_score"] == pytest.approx(max(losses))
-    assert best["newest_epoch"] == 6 and epoch < 4  # kept for its score alone
-    assert [e for e, _ in best["kept"]] == [epoch, 4, 5, 6]
+    assert best["newest_epoch"] == 5 and epoch < 3  # kept for its score alone
+    assert [e for e, _ in best["kept"]] == [epoch, 3, 4, 5]
     assert best["restored_equal"] and best["iterations"] == 6 * epoch
     done = jax_run["restore_export"]
     assert done["plain_vs_reference"] == 0.0  # into a model the kit did not build

@@ -25,7 +25,8 @@ steps after it, and ends on the uninterrupted run's weights bit for bit, every r
 copy of them too, with the same validation logs for the last epoch; (e) the example's
 own steps after `fit` ran in the resumed run (predict on one sample, evaluate) with
 finite results, and the fitted model saved to `.keras` loads back with
-`keras.models.load_model` and predicts and evaluates the same. The adopted script's runs
+`keras.models.load_model` and predicts the same on a validation sample, and evaluates the
+validation data as the resumed `fit`'s last validation did. The adopted script's runs
 give NumPy's global generator another seed each (`tests/keras_io_child.py`), so data
 drawn from it unseeded fails (d).
 """
@@ -1129,6 +1130,13 @@ def test_the_adopted_example_resumes_exactly_on_the_examples_data(
     assert saved["weights_equal"], saved
     # One sample: the replica's device runs the same CPU kernels as the loaded model's.
     assert saved["predict_diff"] == 0.0, saved
-    # evaluate() on 2 replicas sums each replica's part of the batch and adds the two; on
-    # one device it is one float32 sum: the same terms in another order (measured: relative 1e-7).
-    np.testing.assert_allclose(saved["evaluated"], saved["loaded_evaluated"], rtol=1e-6)
+    # The fitted model's evaluation is fit's last validation (after its last step), the
+    # loaded model's one evaluate() of the same samples. On 2 replicas evaluate() sums each
+    # replica's part of the batch and adds the two; on one device it is one float32 sum:
+    # the same terms in another order (measured: relative 1e-7).
+    evaluated, loaded = saved["evaluated"], saved["loaded_evaluated"]
+    assert evaluated and sorted(evaluated) == sorted(loaded), saved
+    names = sorted(evaluated)
+    np.testing.assert_allclose(
+        [evaluated[n] for n in names], [loaded[n] for n in names], rtol=1e-6, err_msg=str(saved)
+    )

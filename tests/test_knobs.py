@@ -1,12 +1,15 @@
 """The knobs: synchronized BatchNorm, mixed precision and steps_per_execution (2 replicas).
 
 The steps_per_execution=4 model of the factory serves the three tests of its checks (counts
-are taken relative to its steps before); the checkpoint-resume cases share one uninterrupted
-run (steps_per_execution changes no arithmetic: 3 and 4 end on the same weights, bit for
-bit).
+are taken relative to its steps before) and resumes the checkpoint of steps_per_execution=4;
+the checkpoint-resume cases share one uninterrupted run (steps_per_execution changes no
+arithmetic: 3 and 4 end on the same weights, bit for bit), whose model, set back to its
+initial state, also makes the crashed run of steps_per_execution=4.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -299,34 +302,60 @@ def _resume_data():
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def spe4_fresh():
+    """`spe4_fresh()`: the module's `spe_factory(4)()` for runs from scratch, set back at
+    each call to the weights and optimizer state it was built with (its optimizer built at
+    once, so that there is a state to set back): it trains as a new one would, bit for bit."""
+    model = spe_factory(4)()
+    with model.distribute_strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    weights, state = model.get_weights(), [v.numpy().copy() for v in model.optimizer.variables]
+
+    def get():
+        keras.utils.set_random_seed(3)  # as spe_factory's build()
+        model.set_weights(weights)  # every replica's copy
+        for variable, value in zip(model.optimizer.variables, state):
+            variable.assign(value)
+        return model
+
+    return get
+
+
+class Uninterrupted(NamedTuple):
+    weights: list[np.ndarray]
+    steps: int  # the optimizer's iterations at the end
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, spe4_fresh):
     """3 epochs with steps_per_execution=4 and a checkpoint every execution, uninterrupted:
     the weights both resumed runs below must end on."""
-    reference, ds = spe_factory(4)(), _resume_data()
+    reference, ds = spe4_fresh(), _resume_data()
     directory = tmp_path_factory.mktemp("uninterrupted")
     reference.fit(
         ds, epochs=3, verbose=0, callbacks=[SyncedCheckpoint(directory, dataset=ds, save_freq=4)]
     )
-    return reference
+    return Uninterrupted(reference.get_weights(), _steps(reference))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("steps", "resume_at"), [(4, (2, 12)), (3, (2, 0))])
 def test_checkpoint_resume_is_exact_with_steps_per_execution(
-    tmp_path, uninterrupted, steps, resume_at
+    tmp_path, uninterrupted, spe4_fresh, spe4_model, steps, resume_at
 ):
     """16 batches per epoch: with 4 steps per execution the resume is mid-epoch; with 3 (16
     is no multiple of 3) it starts at the newest epoch boundary. Both end equal to the
-    uninterrupted run (4 steps per execution: 3 would end on the same weights)."""
+    uninterrupted run (4 steps per execution: 3 would end on the same weights). With 4,
+    the crashed run is `spe4_fresh`'s and `spe4_model` resumes; with 3, new models."""
     data, reference = _resume_data, uninterrupted
-    assert int(reference.optimizer.iterations.numpy()) == 48
+    assert reference.steps == 48
 
     class Crash(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             if int(self.model.optimizer.iterations.numpy()) >= 32 + 9:
                 raise KeyboardInterrupt
 
-    crashed, ds = spe_factory(steps)(), data()
+    crashed, ds = (spe4_fresh() if steps == 4 else spe_factory(steps)()), data()
     with pytest.raises(KeyboardInterrupt):
         crashed.fit(
             ds,
@@ -334,11 +363,11 @@ def test_checkpoint_resume_is_exact_with_steps_per_execution(
             verbose=0,
             callbacks=[SyncedCheckpoint(tmp_path / "run", dataset=ds, save_freq=steps), Crash()],
         )
-    resumed, ds = spe_factory(steps)(), data()
+    resumed, ds = (spe4_model if steps == 4 else spe_factory(steps)()), data()
     resumed.set_weights([w * 0 for w in resumed.get_weights()])
     checkpoint = SyncedCheckpoint(tmp_path / "run", dataset=ds, save_freq=steps)
     resumed.fit(ds, epochs=3, verbose=0, callbacks=[checkpoint])
     meta = checkpoint.last_restored.meta
     assert (meta["epoch"], meta["step"]) == resume_at
     assert int(resumed.optimizer.iterations.numpy()) == 48
-    assert max_diff(reference.get_weights(), resumed.get_weights()) <= 1e-6
+    assert max_diff(reference.weights, resumed.get_weights()) <= 1e-6

@@ -7,7 +7,10 @@ mid-epoch resumes to the uninterrupted run's weights. Steps that cannot resume e
 without it; a map that draws from shared random state is warned about (`strict`: refused).
 The same 2-replica job as tests/test_synced_checkpoint.py: 6 batches an epoch. The
 uninterrupted run of the mapped pipeline (`mapped_reference`) and the model that resumes
-each crashed one (`resumer`, tests/conftest.py, also for the cache) are made once for the module.
+each crashed one (`resumer`, tests/conftest.py, also for the cache) are made once for the
+module; so is the model of the runs from scratch (`fresh`: one `build("sgd")`, set back to
+its initial weights, optimizer state and seed before each run, from which it trains
+exactly as a new one would): one trace for the reference, crashed and other fresh runs.
 """
 
 from __future__ import annotations
@@ -33,9 +36,29 @@ def mapped(ds):
     return ds.map(double, num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
 
 
-def run(directory, given, crash_at=None, model=None):
+@pytest.fixture(scope="module")
+def fresh():
+    """`fresh()`: the module's `build("sgd")` model, set back at each call to the weights
+    and optimizer state it was built with (its optimizer built at once, so that there is
+    a state to set back) and to the random seed `build` sets."""
+    model = build("sgd")
+    with model.distribute_strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    weights, state = model.get_weights(), [v.numpy().copy() for v in model.optimizer.variables]
+
+    def get():
+        keras.utils.set_random_seed(3)  # as build(): a seed drawn at random comes from it
+        model.set_weights(weights)  # every replica's copy
+        for variable, value in zip(model.optimizer.variables, state):
+            variable.assign(value)
+        return model
+
+    return get
+
+
+def run(directory, given, model, crash_at=None):
     """One fit() of the mapped pipeline; `given`: what `dataset=` is ("none", "kit", ...)."""
-    model, ds = model or build("sgd"), dataset()
+    ds = dataset()
     if given == "prefetched":  # dataset= a kit dataset followed by a prefetch
         ds = ds.prefetch(1)
     options = {} if given == "none" else {"dataset": ds}
@@ -46,20 +69,20 @@ def run(directory, given, crash_at=None, model=None):
 
 
 @pytest.fixture(scope="module")
-def mapped_reference(tmp_path_factory):
+def mapped_reference(tmp_path_factory, fresh):
     """The weights of an uninterrupted fit() of the mapped pipeline (checkpointed)."""
-    model, _, _ = run(tmp_path_factory.mktemp("reference") / "ckpt", "kit")
+    model, _, _ = run(tmp_path_factory.mktemp("reference") / "ckpt", "kit", fresh())
     return model.get_weights()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("given", ["none", "kit", "prefetched"])
 def test_a_map_and_prefetch_after_the_kit_dataset_resume_mid_epoch_exactly(
-    given, tmp_path, mapped_reference, resumer
+    given, tmp_path, mapped_reference, fresh, resumer
 ):
-    with pytest.raises(KeyboardInterrupt):
-        run(tmp_path / "run", given, crash_at=(1, 3))  # newest checkpoint: epoch 1, batch 4
-    model, checkpoint, counter = run(tmp_path / "run", given, model=resumer)
+    with pytest.raises(KeyboardInterrupt):  # newest checkpoint: epoch 1, batch 4
+        run(tmp_path / "run", given, fresh(), crash_at=(1, 3))
+    model, checkpoint, counter = run(tmp_path / "run", given, resumer)
     assert (checkpoint.last_restored.meta["epoch"], checkpoint.last_restored.meta["step"]) == (
         1,
         4,
@@ -101,12 +124,11 @@ def test_an_unordered_map_after_the_given_dataset_is_refused_before_any_step(tmp
 
 @pytest.mark.slow
 def test_cache_without_dataset_resumes_at_the_epoch_boundary_and_says_why(
-    tmp_path, caplog, resumer
+    tmp_path, caplog, fresh, resumer
 ):
-    def cached(directory, crash_at=None, model=None):
+    def cached(directory, model, crash_at=None):
         counter = CountBatches()
         callbacks = [SyncedCheckpoint(directory, save_freq=2), counter]
-        model = model or build("sgd")
         model.fit(
             dataset().cache(),
             epochs=EPOCHS,
@@ -116,9 +138,9 @@ def test_cache_without_dataset_resumes_at_the_epoch_boundary_and_says_why(
         return counter
 
     with pytest.raises(KeyboardInterrupt):
-        cached(tmp_path, crash_at=(1, 3))
+        cached(tmp_path, fresh(), crash_at=(1, 3))
     with caplog.at_level(logging.INFO, logger="keras_mirror_kit"):
-        counter = cached(tmp_path, model=resumer)
+        counter = cached(tmp_path, resumer)
     assert counter.batches == 2 * 6  # epoch 1 again from its start, then epoch 2
     assert "resumes at epoch boundaries: fit() trains on cache after a kit dataset" in caplog.text
 
@@ -138,9 +160,9 @@ def keras_noisy(x, y):
 
 @pytest.mark.parametrize("function, op", [(noisy, "RandomUniform"), (keras_noisy, "Assign")])
 def test_a_map_with_shared_random_state_is_warned_about_or_refused_with_strict(
-    function, op, tmp_path, caplog
+    function, op, tmp_path, caplog, fresh
 ):
-    ds, model = dataset(), build("sgd")
+    ds, model = dataset(), fresh()
     with caplog.at_level(logging.WARNING, logger="keras_mirror_kit"):
         model.fit(
             ds.map(function), epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path / "a")]
@@ -163,9 +185,9 @@ def test_a_map_with_shared_random_state_is_warned_about_or_refused_with_strict(
 # -- arrays as Keras takes them: fit(x, y, batch_size, validation_split, shuffle) ---------
 
 
-def fit_arrays(directory, shuffle=True, crash_at=None, model=None, checkpoint=True, epochs=EPOCHS):
+def fit_arrays(directory, model, shuffle=True, crash_at=None, checkpoint=True, epochs=EPOCHS):
     """72 training samples (4 batches of 16, one of 8) and Keras' last 24 to validate."""
-    model, (x, y), counter = model or build("sgd"), data(), CountBatches()
+    (x, y), counter = data(), CountBatches()
     synced = SyncedCheckpoint(directory, save_freq=2) if checkpoint else None
     callbacks = [
         counter,
@@ -186,29 +208,33 @@ def fit_arrays(directory, shuffle=True, crash_at=None, model=None, checkpoint=Tr
 
 
 @pytest.mark.slow
-def test_arrays_with_validation_split_and_shuffle_resume_mid_epoch_exactly(tmp_path, resumer):
-    reference, reference_history, counted, _ = fit_arrays(tmp_path / "reference")
+def test_arrays_with_validation_split_and_shuffle_resume_mid_epoch_exactly(
+    tmp_path, fresh, resumer
+):
+    reference, reference_history, counted, _ = fit_arrays(tmp_path / "reference", fresh())
     assert counted.batches == EPOCHS * 5
+    reference_weights = reference.get_weights()  # before `fresh` is set back for the crash
     with pytest.raises(KeyboardInterrupt):
-        fit_arrays(tmp_path / "run", crash_at=(1, 2))
-    model, history, counter, checkpoint = fit_arrays(tmp_path / "run", model=resumer)
+        fit_arrays(tmp_path / "run", fresh(), crash_at=(1, 2))
+    model, history, counter, checkpoint = fit_arrays(tmp_path / "run", resumer)
     restored = checkpoint.last_restored.meta
     assert restored["epoch"] == 1 and restored["step"] > 0  # mid-epoch, not a boundary
     assert counter.batches == (5 - restored["step"]) + 5
-    assert max_diff(reference.get_weights(), model.get_weights()) <= 1e-6
+    assert max_diff(reference_weights, model.get_weights()) <= 1e-6
     assert history.history["val_loss"][-1] == pytest.approx(
         reference_history.history["val_loss"][-1], abs=1e-6
     )
 
 
 @pytest.mark.slow
-def test_arrays_through_the_kit_train_and_validate_as_keras_own_fit(tmp_path):
+def test_arrays_through_the_kit_train_and_validate_as_keras_own_fit(tmp_path, fresh):
     # shuffle=False: the kit's order is the arrays' order, Keras' too, so the runs agree.
-    kit, kit_history, _, _ = fit_arrays(tmp_path / "kit", shuffle=False, epochs=2)
+    kit, kit_history, _, _ = fit_arrays(tmp_path / "kit", fresh(), shuffle=False, epochs=2)
+    kit_weights = kit.get_weights()  # before `fresh` is set back for Keras' own fit
     keras_own, keras_history, _, _ = fit_arrays(
-        tmp_path / "k", shuffle=False, checkpoint=False, epochs=2
+        tmp_path / "k", fresh(), shuffle=False, checkpoint=False, epochs=2
     )
-    assert max_diff(kit.get_weights(), keras_own.get_weights()) <= 1e-6
+    assert max_diff(kit_weights, keras_own.get_weights()) <= 1e-6
     np.testing.assert_allclose(
         kit_history.history["val_loss"], keras_history.history["val_loss"], atol=1e-6
     )

@@ -5,8 +5,11 @@ The same 2-replica job as tests/test_synced_checkpoint.py: 96 samples, global ba
 checkpoints or trained from scratch before, and checks the weights, the batches trained
 or the refusal. Runs several tests start from are made once per module, read-only (tests
 resume copies of their directories): `crashed_mid_epoch`, `plain_run` (an uninterrupted
-run: weights and checkpoints), `two_stage_runs`; `resumer` (tests/conftest.py) is the one
-model that resumes `crashed_mid_epoch`'s copies (and the mid-epoch retention run).
+run: weights and checkpoints), `two_stage_runs`. Models are shared too (one trace each):
+`fresh()` is the one `build("sgd")` of the runs from scratch, set back before each run to
+the weights, optimizer state and random seed it was built with (what a new `build` trains
+to, bit for bit); `resumer` (tests/conftest.py) is the one SGD model that resumes
+(`crashed_mid_epoch`'s copies, the reruns): a restore replaces its state.
 """
 
 from __future__ import annotations
@@ -45,10 +48,30 @@ def npz_files(directory):
 
 
 @pytest.fixture(scope="module")
-def crashed_mid_epoch(tmp_path_factory):
+def fresh():
+    """`fresh()`: the module's `build("sgd")` model, set back at each call to the weights
+    and optimizer state it was built with (its optimizer built at once, so that there is
+    a state to set back) and to the random seed `build` sets."""
+    model = build("sgd")
+    with model.distribute_strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    weights, state = model.get_weights(), [v.numpy().copy() for v in model.optimizer.variables]
+
+    def get():
+        keras.utils.set_random_seed(3)  # as build(): a seed drawn at random comes from it
+        model.set_weights(weights)  # every replica's copy
+        for variable, value in zip(model.optimizer.variables, state):
+            variable.assign(value)  # the learning rate too
+        return model
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def crashed_mid_epoch(tmp_path_factory, fresh):
     """A run (SGD, dataset=, save_freq=2) killed in epoch 1: newest checkpoint (1, 4)."""
     directory = tmp_path_factory.mktemp("crashed") / "ckpt"
-    model, ds = build("sgd"), dataset()
+    model, ds = fresh(), dataset()
     with pytest.raises(KeyboardInterrupt):
         model.fit(
             ds,
@@ -65,11 +88,11 @@ class PlainRun(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def plain_run(tmp_path_factory):
+def plain_run(tmp_path_factory, fresh):
     """An uninterrupted 4-epoch SGD run on the plain dataset, save_freq=2, keep=3: its
     weights, and its checkpoint directory (read-only: tests copy it)."""
     directory = tmp_path_factory.mktemp("plain") / "ckpt"
-    model = build("sgd")
+    model = fresh()
     model.fit(
         plain_dataset(),
         epochs=4,
@@ -143,8 +166,8 @@ def test_a_checkpoint_of_another_optimizer_is_refused_before_any_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_non_finite_state_is_refused_and_the_finite_checkpoints_stay(tmp_path):
-    model, ds = build("sgd"), dataset()
+def test_a_non_finite_state_is_refused_and_the_finite_checkpoints_stay(tmp_path, fresh):
+    model, ds = fresh(), dataset()
     model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(tmp_path, dataset=ds)])
     manifest = (tmp_path / "manifest.json").read_text()
     model.layers[0].bias.assign(np.full((8,), np.nan, "float32"))  # training diverged
@@ -177,7 +200,14 @@ def test_a_non_finite_state_is_refused_and_the_finite_checkpoints_stay(tmp_path)
 
 @pytest.mark.slow
 def test_random_layers_resume_mid_epoch_to_the_uninterrupted_weights(tmp_path):
+    """The uninterrupted and the crashed run: one model (one trace), every variable of it
+    (the random layers' seed-generator state too) and of its optimizer set back between."""
     model, ds = build("sgd", random_layers=True), dataset()
+    with model.distribute_strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    variables = model.variables + model.optimizer.variables
+    initial = [v.numpy().copy() for v in variables]
+    assert any("seed_generator_state" in v.path for v in model.variables)
     model.fit(
         ds,
         epochs=3,
@@ -185,7 +215,10 @@ def test_random_layers_resume_mid_epoch_to_the_uninterrupted_weights(tmp_path):
         callbacks=[SyncedCheckpoint(tmp_path / "ref", save_freq=2, dataset=ds)],
     )
     reference = model.get_weights()
-    model, ds = build("sgd", random_layers=True), dataset()
+    keras.utils.set_random_seed(3)  # as build("sgd", random_layers=True) does
+    for variable, value in zip(variables, initial):
+        variable.assign(value)  # every replica's copy
+    ds = dataset()
     with pytest.raises(KeyboardInterrupt):
         model.fit(
             ds,
@@ -297,9 +330,9 @@ def test_fit_of_a_model_the_kit_did_not_build_on_another_dataset_is_refused(tmp_
     assert npz_files(tmp_path) == []
 
 
-def test_a_generator_over_another_dataset_is_refused_at_the_first_batch_end(tmp_path):
+def test_a_generator_over_another_dataset_is_refused_at_the_first_batch_end(tmp_path, fresh):
     given, trained = dataset(), dataset()
-    model = build("sgd")
+    model = fresh()
 
     def batches():
         for _ in range(2):
@@ -330,13 +363,13 @@ class TwoStageRuns(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def two_stage_runs(tmp_path_factory):
+def two_stage_runs(tmp_path_factory, fresh):
     """The two-stage script run uninterrupted and run crashed in stage 2 (read-only)."""
     root = tmp_path_factory.mktemp("two-stages")
-    model, ds = build("sgd"), dataset()
+    model, ds = fresh(), dataset()
     two_stages(model, ds, [SyncedCheckpoint(root / "ref", dataset=ds)])
     reference = model.get_weights()
-    model, ds = build("sgd"), dataset()
+    model, ds = fresh(), dataset()
     with pytest.raises(KeyboardInterrupt):  # crash in stage 2, epoch 2 (after its boundary)
         two_stages(model, ds, [SyncedCheckpoint(root / "run", dataset=ds), StopAt(2, 2)])
     return TwoStageRuns(reference, root / "run")
@@ -344,36 +377,38 @@ def two_stage_runs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_rerun_two_stage_script_continues_each_fit_from_the_newest_checkpoint(
-    tmp_path, two_stage_runs
+    tmp_path, two_stage_runs, resumer
 ):
     directory = copy_of(two_stage_runs.crashed, tmp_path)
-    fresh, ds, counter = build("sgd", seed=99), dataset(), CountBatches()
-    two_stages(fresh, ds, [SyncedCheckpoint(directory, dataset=ds), counter])
+    ds, counter = dataset(), CountBatches()
+    two_stages(resumer, ds, [SyncedCheckpoint(directory, dataset=ds), counter])
     assert counter.batches == 6  # epoch 2 only: stage 1 trains nothing, stage 2 resumes
-    assert int(fresh.optimizer.iterations.numpy()) == 18
-    assert max_diff(two_stage_runs.reference, fresh.get_weights()) <= 1e-6
+    assert int(resumer.optimizer.iterations.numpy()) == 18
+    assert max_diff(two_stage_runs.reference, resumer.get_weights()) <= 1e-6
 
 
 @pytest.mark.slow
-def test_stage_two_rerun_alone_resumes_its_own_checkpoint(tmp_path, caplog, two_stage_runs):
+def test_stage_two_rerun_alone_resumes_its_own_checkpoint(
+    tmp_path, caplog, two_stage_runs, resumer
+):
     """Stage 1 commented out (or a notebook cell after a restart): stage 2 is fit #0 now."""
     directory = copy_of(two_stage_runs.crashed, tmp_path)
     other = copy_of(two_stage_runs.crashed, tmp_path, "other")
     caplog.set_level(logging.WARNING, logger="keras_mirror_kit")
-    fresh, ds, counter = build("sgd", seed=99), dataset(), CountBatches()
+    ds, counter = dataset(), CountBatches()
     checkpoint = SyncedCheckpoint(directory, dataset=ds)
-    fresh.fit(ds, epochs=3, initial_epoch=1, verbose=0, callbacks=[checkpoint, counter])
+    resumer.fit(ds, epochs=3, initial_epoch=1, verbose=0, callbacks=[checkpoint, counter])
     assert counter.batches == 6  # epoch 2; 0 (taken as finished) before the fix
-    assert int(fresh.optimizer.iterations.numpy()) == 18
-    assert max_diff(two_stage_runs.reference, fresh.get_weights()) <= 1e-6
+    assert int(resumer.optimizer.iterations.numpy()) == 18
+    assert max_diff(two_stage_runs.reference, resumer.get_weights()) <= 1e-6
     # Its saves go on under the stage's number: a rerun of the whole script finds them.
     assert checkpoint.last_restored.meta["fit_index"] == 1
     entries = json.loads((directory / "manifest.json").read_text())["checkpoints"]
     assert entries[-1]["fit_index"] == 1 and entries[-1]["epoch"] == 3
     # Another epochs: still counted as finished, but said at WARNING, with what happens.
     caplog.clear()
-    fresh, counter = build("sgd", seed=99), CountBatches()
-    fresh.fit(
+    counter = CountBatches()
+    resumer.fit(
         ds,
         epochs=4,
         initial_epoch=1,
@@ -386,7 +421,7 @@ def test_stage_two_rerun_alone_resumes_its_own_checkpoint(tmp_path, caplog, two_
 
 
 @pytest.mark.slow
-def test_a_full_rerun_of_stages_with_equal_epochs_goes_stage_by_stage(tmp_path):
+def test_a_full_rerun_of_stages_with_equal_epochs_goes_stage_by_stage(tmp_path, fresh, resumer):
     """Both stages fit(epochs=2) (e.g. frozen, then fine-tuning): after a crash in stage 2
     the full rerun must not let stage 1 take stage 2's checkpoint as its own."""
 
@@ -394,7 +429,7 @@ def test_a_full_rerun_of_stages_with_equal_epochs_goes_stage_by_stage(tmp_path):
         model.fit(ds, epochs=2, verbose=0, callbacks=callbacks)
         model.fit(ds, epochs=2, verbose=0, callbacks=callbacks)
 
-    model, ds = build("sgd"), dataset()
+    model, ds = fresh(), dataset()
     stages(model, ds, [SyncedCheckpoint(tmp_path / "ref", dataset=ds)])
     reference = model.get_weights()
 
@@ -408,22 +443,22 @@ def test_a_full_rerun_of_stages_with_equal_epochs_goes_stage_by_stage(tmp_path):
             if self.fits == 2:
                 super().on_train_batch_end(batch, logs)
 
-    model, ds = build("sgd"), dataset()
+    model, ds = fresh(), dataset()
     with pytest.raises(KeyboardInterrupt):  # crash in stage 2, its epoch 1
         stages(model, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds), CrashInStageTwo(1, 2)])
-    fresh, ds, counter = build("sgd", seed=99), dataset(), CountBatches()
-    stages(fresh, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds), counter])
+    ds, counter = dataset(), CountBatches()
+    stages(resumer, ds, [SyncedCheckpoint(tmp_path / "run", dataset=ds), counter])
     assert counter.batches == 6  # stage 2's epoch 1 again, from its boundary; nothing else
-    assert max_diff(reference, fresh.get_weights()) <= 1e-6
+    assert max_diff(reference, resumer.get_weights()) <= 1e-6
 
 
 # -- item 6: callbacks' state --------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_an_early_stopped_job_rerun_unchanged_trains_nothing(tmp_path):
-    def job(seed):
-        model, ds, counter = build("sgd", seed=seed), dataset(), CountBatches()
+def test_an_early_stopped_job_rerun_unchanged_trains_nothing(tmp_path, fresh, resumer):
+    def job(model):
+        ds, counter = dataset(), CountBatches()
         # Never improves by 10 after epoch 0: stops at the end of epoch 1 (12 steps) and
         # puts the weights of epoch 0 back.
         stop = keras.callbacks.EarlyStopping(
@@ -437,9 +472,9 @@ def test_an_early_stopped_job_rerun_unchanged_trains_nothing(tmp_path):
         )
         return model, counter.batches
 
-    first, batches = job(3)
+    first, batches = job(fresh())
     assert batches == 12
-    rerun, batches = job(99)
+    rerun, batches = job(resumer)
     assert batches == 0
     assert max_diff(first.get_weights(), rerun.get_weights()) == 0.0
 
@@ -463,9 +498,9 @@ class Tally(keras.callbacks.Callback):
 
 
 @pytest.mark.slow
-def test_callback_state_resumes_exactly(tmp_path):
-    def run(directory, crash=None, seed=3):
-        model, ds, tally = build("sgd", seed=seed), dataset(), Tally()
+def test_callback_state_resumes_exactly(tmp_path, fresh, resumer):
+    def run(directory, model, crash=None):
+        ds, tally = dataset(), Tally()
         # Never improves by 10 after epoch 0: halves the rate at epochs 1, 2 (after a
         # cooldown of 1)... a fresh ReduceLROnPlateau on resume would start over.
         plateau = keras.callbacks.ReduceLROnPlateau(
@@ -475,15 +510,20 @@ def test_callback_state_resumes_exactly(tmp_path):
         model.fit(ds, epochs=4, verbose=0, callbacks=callbacks + ([crash] if crash else []))
         return model, tally
 
-    reference, ref_tally = run(tmp_path / "ref")
+    reference, ref_tally = run(tmp_path / "ref", fresh())
+    # Before `fresh` is set back for the crashed run:
+    reference_lr, reference_weights = (
+        float(reference.optimizer.learning_rate.numpy()),
+        [w.copy() for w in reference.get_weights()],
+    )
     # Resumed at epoch 2, a fresh plateau would not halve the rate there: 0.1 / 4 at the end
     # instead of 0.1 / 8.
     with pytest.raises(KeyboardInterrupt):
-        run(tmp_path / "run", crash=StopAt(2, 2))
-    resumed, tally = run(tmp_path / "run", seed=99)
+        run(tmp_path / "run", fresh(), crash=StopAt(2, 2))
+    resumed, tally = run(tmp_path / "run", resumer)
     lr = float(resumed.optimizer.learning_rate.numpy())
-    assert lr == float(reference.optimizer.learning_rate.numpy()) < 0.1 / 4
-    assert max_diff(reference.get_weights(), resumed.get_weights()) <= 1e-6
+    assert lr == reference_lr < 0.1 / 4
+    assert max_diff(reference_weights, resumed.get_weights()) <= 1e-6
     assert tally.epochs_seen == ref_tally.epochs_seen == 4
     np.testing.assert_allclose(tally.losses, ref_tally.losses, rtol=1e-6)
 
@@ -493,47 +533,49 @@ def test_callback_state_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_retention_keeps_two_epoch_boundaries_when_mid_epoch_ones_cannot_resume(
-    tmp_path, plain_run
+    tmp_path, plain_run, resumer
 ):
     """Integer save_freq without dataset=: damage the newest, resume from the previous."""
     directory = copy_of(plain_run.directory, tmp_path)  # 4 epochs, save_freq=2, keep=3
     entries = json.loads((directory / "manifest.json").read_text())["checkpoints"]
     newest = directory / entries[-1]["file"]
     newest.write_bytes(newest.read_bytes()[:100])  # truncated
-    fresh, counter = build("sgd", seed=99), CountBatches()
+    counter = CountBatches()
     checkpoint = SyncedCheckpoint(directory, save_freq=2, keep=3)
     with pytest.warns(CorruptCheckpointWarning):
-        fresh.fit(plain_dataset(), epochs=4, verbose=0, callbacks=[checkpoint, counter])
+        resumer.fit(plain_dataset(), epochs=4, verbose=0, callbacks=[checkpoint, counter])
     assert counter.batches == 6  # epoch 3 again; 24 (from scratch) before the fix
     assert checkpoint.last_restored.meta["epoch"] == 3
-    assert max_diff(plain_run.weights, fresh.get_weights()) <= 1e-6
+    assert max_diff(plain_run.weights, resumer.get_weights()) <= 1e-6
     # keep=3 went to the newest three; two epoch boundaries older than the newest stayed.
     assert [e["epoch"] for e in entries if e["epoch_end"]][-3:] == [2, 3, 4]
 
 
 @pytest.mark.slow
-def test_a_lost_manifest_is_rebuilt_from_the_files_before_pruning(tmp_path, plain_run):
-    def run(seed, epochs, crash=None):
-        model, counter = build("sgd", seed=seed), CountBatches()
+def test_a_lost_manifest_is_rebuilt_from_the_files_before_pruning(
+    tmp_path, plain_run, fresh, resumer
+):
+    def run(model, epochs, crash=None):
+        counter = CountBatches()
         checkpoint = SyncedCheckpoint(tmp_path, save_freq=2, keep=1)
         callbacks = [checkpoint, counter] + ([crash] if crash else [])
         model.fit(plain_dataset(), epochs=epochs, verbose=0, callbacks=callbacks)
         return model, checkpoint, counter.batches
 
-    run(3, epochs=2)
+    run(fresh(), epochs=2)
     (tmp_path / "manifest.json").unlink()
     with pytest.raises(KeyboardInterrupt):  # resumes at epoch 2; its saves prune
-        run(99, epochs=4, crash=StopAt(2, 5))
-    model, checkpoint, batches = run(98, epochs=4)
+        run(resumer, epochs=4, crash=StopAt(2, 5))
+    model, checkpoint, batches = run(resumer, epochs=4)  # the same instance, rerun
     assert batches == 12  # epochs 2 and 3; 24 (from scratch) before the fix
     assert checkpoint.last_restored.meta["epoch"] == 2
     assert max_diff(plain_run.weights, model.get_weights()) <= 1e-6
 
 
 @pytest.mark.slow
-def test_retention_keeps_an_epoch_boundary_among_mid_epoch_resume_points(tmp_path, resumer):
+def test_retention_keeps_an_epoch_boundary_among_mid_epoch_resume_points(tmp_path, fresh, resumer):
     """keep=1, save_freq=1, dataset=: mid-epoch saves fill the resume points."""
-    model, ds = build("sgd"), dataset()
+    model, ds = fresh(), dataset()
     with pytest.raises(KeyboardInterrupt):  # after the saves at batches 1, 2, 3 of epoch 2
         model.fit(
             ds,

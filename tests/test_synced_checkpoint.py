@@ -6,8 +6,12 @@ same instance after a raise, of a finished run) are compared with an uninterrupt
 module, and its checkpoint directory (read-only; tests copy it) also serves the tests of
 a finished run, the optimizer state, an unreadable manifest, another model, corrupt and
 pickled checkpoints. `crashed_at_boundary` is one crashed run per optimizer whose copies
-several tests resume; `resumer` (tests/conftest.py) is one model for the tests whose
-checks do not depend on the weights a model starts from.
+several tests resume. Models are shared too (one trace each): `fresh(optimizer)` is one
+`build(optimizer)` per optimizer, set back before each run to the weights and optimizer
+state it was built with (what a new `build` trains to, bit for bit), for the reference,
+crashed and other runs from scratch; `resumers(optimizer)` is one seed-99 model per
+optimizer (for "sgd" `resumer`, tests/conftest.py) for the resumes and the tests whose
+checks do not depend on the weights a model starts from: a restore replaces its state.
 """
 
 from __future__ import annotations
@@ -52,8 +56,48 @@ class Reference(NamedTuple):
     directory: object
 
 
-def uninterrupted(optimizer, directory, use_dataset=True):
-    model, ds = build(optimizer), dataset() if use_dataset else plain_dataset()
+@pytest.fixture(scope="module")
+def fresh():
+    """`fresh(optimizer="sgd")`: the module's `build(optimizer)` model of that optimizer,
+    set back at each call to the weights and optimizer state it was built with (its
+    optimizer built at once, so that there is a state to set back) and to the random seed
+    `build` sets."""
+    made = {}
+
+    def get(optimizer="sgd"):
+        if optimizer not in made:
+            model = build(optimizer)
+            with model.distribute_strategy.scope():
+                model.optimizer.build(model.trainable_variables)
+            state = [v.numpy().copy() for v in model.optimizer.variables]
+            made[optimizer] = model, model.get_weights(), state
+        model, weights, state = made[optimizer]
+        keras.utils.set_random_seed(3)  # as build(): a seed drawn at random comes from it
+        model.set_weights(weights)  # every replica's copy
+        for variable, value in zip(model.optimizer.variables, state):
+            variable.assign(value)
+        return model
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def resumers(resumer):
+    """`resumers(optimizer)`: the module's one `build(optimizer, seed=99)` model of that
+    optimizer that resumes (for "sgd" `resumer`): as a new process's fresh model, its
+    weights are not the crashed run's; a restore replaces them and the optimizer state."""
+    made = {"sgd": resumer}
+
+    def get(optimizer):
+        if optimizer not in made:
+            made[optimizer] = build(optimizer, seed=99)
+        return made[optimizer]
+
+    return get
+
+
+def uninterrupted(model, directory, use_dataset=True):
+    ds = dataset() if use_dataset else plain_dataset()
     model.fit(
         ds,
         epochs=EPOCHS,
@@ -66,23 +110,24 @@ def uninterrupted(optimizer, directory, use_dataset=True):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, fresh):
     """`reference(optimizer, use_dataset=True)`: the module's uninterrupted run of that
-    setting (EPOCHS epochs, a SyncedCheckpoint listed, given the kit dataset if there is
-    one), trained at first use."""
+    setting (EPOCHS epochs from `fresh(optimizer)`, a SyncedCheckpoint listed, given the
+    kit dataset if there is one), trained at first use."""
     runs = {}
 
     def get(optimizer, use_dataset=True):
         if (optimizer, use_dataset) not in runs:
             directory = tmp_path_factory.mktemp(f"reference-{optimizer}") / "ckpt"
-            runs[optimizer, use_dataset] = uninterrupted(optimizer, directory, use_dataset)
+            runs[optimizer, use_dataset] = uninterrupted(fresh(optimizer), directory, use_dataset)
         return runs[optimizer, use_dataset]
 
     return get
 
 
-def crash(optimizer, directory, crash_at, use_dataset=True, **kwargs):
-    model, ds = build(optimizer), dataset() if use_dataset else plain_dataset()
+def crash(model, directory, crash_at, use_dataset=True, **kwargs):
+    """`model` (from `fresh`) trains until the crash at `crash_at` (epoch, batch)."""
+    ds = dataset() if use_dataset else plain_dataset()
     with pytest.raises(KeyboardInterrupt):
         model.fit(
             ds,
@@ -95,17 +140,17 @@ def crash(optimizer, directory, crash_at, use_dataset=True, **kwargs):
         )
 
 
-def resume(optimizer, directory, use_dataset=True, **kwargs):
-    # A new process would build a fresh model: different initial weights on purpose.
-    fresh, ds = build(optimizer, seed=99), dataset() if use_dataset else plain_dataset()
+def resume(model, directory, use_dataset=True, **kwargs):
+    """`model` (from `resumers`: other weights than the crashed run's, on purpose) resumes."""
+    ds = dataset() if use_dataset else plain_dataset()
     counter = CountBatches()
     checkpoint = SyncedCheckpoint(directory, dataset=ds if use_dataset else None, **kwargs)
-    fresh.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[checkpoint, counter])
-    return fresh, checkpoint, counter
+    model.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[checkpoint, counter])
+    return model, checkpoint, counter
 
 
 @pytest.fixture(scope="module")
-def crashed_at_boundary(tmp_path_factory):
+def crashed_at_boundary(tmp_path_factory, fresh):
     """`crashed_at_boundary(optimizer)`: the directory of a run (save_freq="epoch") that
     crashed at batch 2 of epoch 1, made at first use: its newest checkpoint is epoch 1."""
     runs = {}
@@ -113,7 +158,7 @@ def crashed_at_boundary(tmp_path_factory):
     def get(optimizer):
         if optimizer not in runs:
             runs[optimizer] = tmp_path_factory.mktemp(f"crashed-{optimizer}") / "ckpt"
-            crash(optimizer, runs[optimizer], (1, 2))
+            crash(fresh(optimizer), runs[optimizer], (1, 2))
         return runs[optimizer]
 
     return get
@@ -122,13 +167,13 @@ def crashed_at_boundary(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_resume_at_an_epoch_boundary_matches_an_uninterrupted_run(
-    optimizer, tmp_path, reference, crashed_at_boundary
+    optimizer, tmp_path, reference, crashed_at_boundary, resumers
 ):
     """...and a clean resume warns of no corrupt checkpoint."""
     directory = copy_of(crashed_at_boundary(optimizer), tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, checkpoint, counter = resume(optimizer, directory)
+        model, checkpoint, counter = resume(resumers(optimizer), directory)
     assert not [w for w in caught if issubclass(w.category, CorruptCheckpointWarning)]
     assert checkpoint.last_restored.meta["epoch"] == 1
     assert checkpoint.last_restored.meta["step"] == 0
@@ -140,12 +185,12 @@ def test_resume_at_an_epoch_boundary_matches_an_uninterrupted_run(
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_integer_save_freq_resumes_mid_epoch_without_training_a_batch_twice(
-    optimizer, tmp_path, reference
+    optimizer, tmp_path, reference, fresh, resumers
 ):
     # Saves at steps 4 (epoch 0), 8 (batch 2 of epoch 1), ...: a crash after batch 3 of
     # epoch 1 (step 10) leaves step 8 the newest, after the epoch-1 boundary.
-    crash(optimizer, tmp_path / "run", (1, 3), save_freq=4)
-    model, checkpoint, counter = resume(optimizer, tmp_path / "run", save_freq=4)
+    crash(fresh(optimizer), tmp_path / "run", (1, 3), save_freq=4)
+    model, checkpoint, counter = resume(resumers(optimizer), tmp_path / "run", save_freq=4)
     assert (checkpoint.last_restored.meta["epoch"], checkpoint.last_restored.meta["step"]) == (
         1,
         2,
@@ -157,14 +202,14 @@ def test_integer_save_freq_resumes_mid_epoch_without_training_a_batch_twice(
 
 @pytest.mark.slow
 def test_without_a_kit_dataset_mid_epoch_checkpoints_fall_back_to_the_epoch_boundary(
-    tmp_path, caplog, reference
+    tmp_path, caplog, reference, fresh, resumer
 ):
     """Documented behaviour: resume from the newest epoch-end checkpoint, no batch twice,
     with a WARNING (default logging shows it) that says what to do for an exact resume."""
-    crash("sgd", tmp_path / "run", (1, 3), save_freq=4, use_dataset=False)
+    crash(fresh("sgd"), tmp_path / "run", (1, 3), save_freq=4, use_dataset=False)
     with caplog.at_level(logging.INFO, logger="keras_mirror_kit"):
         model, checkpoint, counter = resume(
-            "sgd", tmp_path / "run", save_freq=4, use_dataset=False
+            resumer, tmp_path / "run", save_freq=4, use_dataset=False
         )
     said = [r for r in caplog.records if "written mid-epoch" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING
@@ -180,7 +225,7 @@ def test_without_a_kit_dataset_mid_epoch_checkpoints_fall_back_to_the_epoch_boun
 
 
 @pytest.mark.slow
-def test_leftovers_are_cleaned_and_a_later_fit_on_the_same_model_behaves_normally(tmp_path):
+def test_leftovers_are_cleaned_and_a_later_fit_on_the_same_model_behaves_normally(tmp_path, fresh):
     """The first fit removes the orphaned temporaries of its directory and keeps files it
     did not write; a later fit of the same model with the same callback trains normally."""
     directory = tmp_path / "c"
@@ -189,7 +234,7 @@ def test_leftovers_are_cleaned_and_a_later_fit_on_the_same_model_behaves_normall
     (directory / ".manifest.json.0badf00d.tmp").write_bytes(b"{")
     (directory / "notes.txt").write_text("mine")
     (directory / "ckpt-final.npz").write_bytes(b"user file, not ours")
-    model, ds = build("sgd"), dataset()
+    model, ds = fresh("sgd"), dataset()
     checkpoint = SyncedCheckpoint(directory, dataset=ds)
     model.fit(ds, epochs=1, verbose=0, callbacks=[checkpoint])
     names = set(os.listdir(directory))
@@ -286,10 +331,10 @@ def test_keeps_the_newest_and_two_usable_resume_points_beyond_it(tmp_path, resum
 
 
 @pytest.fixture(scope="module")
-def written_async(tmp_path_factory):
+def written_async(tmp_path_factory, fresh):
     """The directory of an uninterrupted EPOCHS-epoch run with `async_save=True`."""
     directory = tmp_path_factory.mktemp("async") / "ckpt"
-    model, ds = build("sgd"), dataset()
+    model, ds = fresh("sgd"), dataset()
     model.fit(
         ds,
         epochs=EPOCHS,
@@ -361,8 +406,8 @@ def test_checkpoint_of_another_model_is_a_clear_error_before_training(tmp_path, 
 
 
 @pytest.mark.slow
-def test_verify_replicas_names_a_diverged_variable(tmp_path):
-    model, ds = build("sgd"), dataset()
+def test_verify_replicas_names_a_diverged_variable(tmp_path, fresh):
+    model, ds = fresh("sgd"), dataset()
     kernel = model.layers[0].kernel
     copies = model.distribute_strategy.experimental_local_results(kernel.value)
     copies[1].assign(copies[1] + 1.0)  # one replica drifts
@@ -373,8 +418,8 @@ def test_verify_replicas_names_a_diverged_variable(tmp_path):
 
 
 @pytest.mark.slow
-def test_non_finite_values_on_one_replica_are_named_as_such(tmp_path):
-    model, ds = build("sgd"), dataset()
+def test_non_finite_values_on_one_replica_are_named_as_such(tmp_path, fresh):
+    model, ds = fresh("sgd"), dataset()
     bias = model.layers[0].bias
 
     class DivergeReplica1(keras.callbacks.Callback):
@@ -437,18 +482,18 @@ def test_bad_arguments(tmp_path, kwargs, exc, fragment):
         SyncedCheckpoint("")
 
 
-def test_a_file_where_the_directory_should_be_fails_before_training(tmp_path):
+def test_a_file_where_the_directory_should_be_fails_before_training(tmp_path, fresh):
     target = tmp_path / "file"
     target.write_text("x")
-    model, ds = build("sgd"), dataset()
+    model, ds = fresh("sgd"), dataset()
     counter = CountBatches()
     with pytest.raises(CheckpointError, match="is not a directory"):
         model.fit(ds, epochs=1, verbose=0, callbacks=[SyncedCheckpoint(target), counter])
     assert counter.batches == 0 and target.read_text() == "x"
 
 
-def test_dataset_with_steps_per_epoch_is_rejected_before_training(tmp_path):
-    model, ds = build("sgd"), dataset()
+def test_dataset_with_steps_per_epoch_is_rejected_before_training(tmp_path, fresh):
+    model, ds = fresh("sgd"), dataset()
     with pytest.raises(ValueError, match="steps_per_epoch=3"):
         model.fit(
             ds,
@@ -460,9 +505,9 @@ def test_dataset_with_steps_per_epoch_is_rejected_before_training(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_random_shuffle_seed_is_saved_and_reused_on_resume(tmp_path, resumer):
+def test_a_random_shuffle_seed_is_saved_and_reused_on_resume(tmp_path, fresh, resumer):
     x, y = data()
-    model, ds = build("sgd"), kmk.make_dataset(x, y, 16)  # seed drawn at random
+    model, ds = fresh("sgd"), kmk.make_dataset(x, y, 16)  # seed drawn at random
     crashed_seed = kmk.cursor_of(ds).seed
     with pytest.raises(KeyboardInterrupt):
         model.fit(
@@ -498,9 +543,9 @@ def test_an_interrupted_fit_does_not_leave_the_resume_epoch_behind(
 
 
 @pytest.mark.slow
-def test_reusing_the_instance_after_fit_raised_resumes_like_a_new_one(tmp_path, reference):
+def test_reusing_the_instance_after_fit_raised_resumes_like_a_new_one(tmp_path, reference, fresh):
     """Issue 18, rough edge: a retry with the same instance resumes exactly."""
-    model, ds = build("sgd"), dataset()
+    model, ds = fresh("sgd"), dataset()
     checkpoint = SyncedCheckpoint(tmp_path / "run", dataset=ds)
     with pytest.raises(KeyboardInterrupt):
         model.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[checkpoint, StopAt(2, 3)])
@@ -604,7 +649,7 @@ class _Payload:
 
 
 @pytest.mark.slow
-def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path, capsys, reference):
+def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path, capsys, reference, resumer):
     """docs/security.md: checkpoints are read with NumPy's allow_pickle=False. A checkpoint
     whose first variable is replaced by a pickled object array of the right shape, with a
     manifest entry that matches it (someone who can write the directory), is skipped as
@@ -643,10 +688,10 @@ def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path, capsys, re
     manifest["latest"] = evil.name
     (directory / "manifest.json").write_text(json.dumps(manifest))
 
-    fresh, ds = build("sgd", seed=1), dataset()
+    ds = dataset()
     checkpoint = SyncedCheckpoint(directory, dataset=ds)
     with pytest.warns(CorruptCheckpointWarning, match="holds Python objects"):
-        fresh.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[checkpoint])
+        resumer.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[checkpoint])
     assert checkpoint.last_restored.path.name == manifest["checkpoints"][-2]["file"]
     assert not marker.exists(), "the checkpoint's pickle was loaded"
     capsys.readouterr()

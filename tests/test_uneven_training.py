@@ -6,14 +6,17 @@ batch tf.distribute splits unevenly (269 rows at a global batch of 64: 13 rows, 
 for arrays, plain `tf.data` and kit datasets, with `sample_weight`, `class_weight` and a
 masked sequence loss. The unweighted cases feed 1 replica the same rows in the same batches
 (validation: the same 29 rows in one batch), so they share one 1-replica run (on arrays);
-each 2-replica run is its own. Evaluation and prediction of 1, 2, 3 and 77 rows run a
+each 2-replica run is its own. The runs on a number of replicas share one model, restarted
+for each run with the same first weights and an optimizer that took no step (`_restarter`):
+it is traced once per input signature. Evaluation and prediction of 1, 2, 3 and 77 rows run a
 Conv2D + BatchNormalization model on 3-channel images through a layer that fails if a
 replica ever computes on an empty part, so the test does not depend on the host's oneDNN
 having the empty-batch bug (`keras_replica_shares.probe_empty_conv`); one 1-replica and one
 2-replica model (same weights) answer every size: Keras rebuilds nothing per call, and the
 first batch of each call is split anew; 1 replica evaluates and predicts each size once, on
-arrays (the datasets are the same batches of the same rows). The CNN trained on 77 images
-(7/6) validates on one row (1/0) after each epoch: one pair of runs for both properties.
+arrays (the datasets are the same batches of the same rows). The same two models, restarted,
+are trained on 77 images (7/6), validating on one row (1/0) after each epoch (one pair of
+runs for both properties), and then given their weights back.
 """
 
 from __future__ import annotations
@@ -47,11 +50,34 @@ def _gap(a, b) -> float:
     return float(np.max(np.abs(a - b))) if a.size else 0.0
 
 
-def _state_gap(one: keras.Model, two: keras.Model) -> float:
-    """The largest difference of the two models' weights and optimizer steps."""
-    pairs = [*zip(one.get_weights(), two.get_weights(), strict=True)]
-    pairs.append((one.optimizer.iterations.numpy(), two.optimizer.iterations.numpy()))
-    return max(_gap(a, b) for a, b in pairs)
+def _state(model: keras.Model) -> list[np.ndarray]:
+    """A copy of the model's weights, then its optimizer's step count (as a last item)."""
+    return [*model.get_weights(), model.optimizer.iterations.numpy()]
+
+
+def _state_gap(one: keras.Model | list, two: keras.Model | list) -> float:
+    """The largest difference of the two models' (or `_state`s') weights and optimizer steps."""
+    one, two = (_state(m) if isinstance(m, keras.Model) else m for m in (one, two))
+    return max(_gap(a, b) for a, b in zip(one, two, strict=True))
+
+
+def _restarter(model: keras.Model):
+    """`restart(weights)`: gives `model` these weights and its optimizer as it was before its
+    first step (built here, as its first `fit` would build it), so that one model, traced
+    once per input signature, serves several runs that each start as a new model would."""
+    if not model.optimizer.built:
+        with model.distribute_strategy.scope():
+            model.optimizer.build(model.trainable_variables)
+    assert int(model.optimizer.iterations.numpy()) == 0, "restarts from before any step"
+    fresh = [v.numpy() for v in model.optimizer.variables]
+
+    def restart(weights: list[np.ndarray]) -> keras.Model:
+        model.set_weights(weights)
+        for variable, value in zip(model.optimizer.variables, fresh, strict=True):
+            variable.assign(value)
+        return model
+
+    return restart
 
 
 def _history_gap(one: dict, two: dict) -> float:
@@ -61,10 +87,13 @@ def _history_gap(one: dict, two: dict) -> float:
     return max(_gap(one[key], two[key]) for key in one)
 
 
-def _weights_close(one: keras.Model, two: keras.Model) -> None:
-    for a, b in zip(one.get_weights(), two.get_weights(), strict=True):
+def _weights_close(one: keras.Model | list, two: keras.Model | list) -> None:
+    """The two models' (or `_state`s') weights and optimizer steps agree."""
+    one, two = (_state(m) if isinstance(m, keras.Model) else m for m in (one, two))
+    assert len(one) == len(two), (len(one), len(two))
+    for a, b in zip(one[:-1], two[:-1], strict=True):
         _close(a, b, "weights")
-    _close(one.optimizer.iterations.numpy(), two.optimizer.iterations.numpy(), "iterations")
+    _close(one[-1], two[-1], "iterations")
 
 
 def _tabular(n: int, seed: int = 0):
@@ -101,16 +130,17 @@ def _dnn(devices, **distributed):
     return build()
 
 
-def _run(devices, fit_kwargs, data, eval_rows=29):
-    model = _dnn(devices)
+def _run(model, fit_kwargs, data, eval_rows=29):
+    """`model` (restarted: its first weights, no step taken) trained 2 epochs, then
+    evaluated and asked to predict: (`_state`, history, evaluate, predict)."""
     history = model.fit(*data(), epochs=2, verbose=0, **fit_kwargs).history
     x, y = _tabular(eval_rows, seed=9)
-    return model, history, model.evaluate(x, y, verbose=0), model.predict(x, verbose=0)
+    state = _state(model)
+    return state, history, model.evaluate(x, y, verbose=0), model.predict(x, verbose=0)
 
 
-def _compare(one, fit_kwargs, data):
-    """`one`: the 1-replica run these arguments give (`_run(ONE, ...)`)."""
-    two = _run(TWO, fit_kwargs, data)
+def _compare(one, two):
+    """`one`, `two`: the runs (`_run`) of the same arguments on 1 and on 2 replicas."""
     _weights_close(one[0], two[0])
     assert set(one[1]) == set(two[1])
     for key in one[1]:
@@ -168,23 +198,34 @@ def _fit_kwargs(case):
 
 
 @pytest.fixture(scope="module")
-def one_replica_runs():
-    """`run(case)`: the 1-replica run of `REFERENCE[case]`, made once for the module."""
-    runs = {}
+def dnn_runs():
+    """`run(devices, case)`: the run (`_run`) of `case` on `devices`; one model per device
+    list, restarted for each run with the same first weights and an optimizer that took no
+    step; a 1-replica run is made once for the module (`REFERENCE[case]`)."""
+    restarts = {}
+    for devices in (ONE, TWO):
+        model = _dnn(devices)
+        restarts[len(devices)] = (_restarter(model), model.get_weights())
+    references = {}
 
-    def run(case):
-        reference = REFERENCE[case]
-        if reference not in runs:
-            runs[reference] = _run(ONE, _fit_kwargs(reference), CASES[reference][0])
-        return runs[reference]
+    def run(devices, case):
+        if devices == ONE:
+            case = REFERENCE[case]
+            if case in references:
+                return references[case]
+        restart, weights = restarts[len(devices)]
+        result = _run(restart(weights), _fit_kwargs(case), CASES[case][0])
+        if devices == ONE:
+            references[case] = result
+        return result
 
     return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_replicas_train_like_one_on_an_uneven_last_batch(one_replica_runs, case):
-    history = _compare(one_replica_runs(case), _fit_kwargs(case), CASES[case][0])
+def test_two_replicas_train_like_one_on_an_uneven_last_batch(dnn_runs, case):
+    history = _compare(dnn_runs(ONE, case), dnn_runs(TWO, case))
     assert len(history["loss"]) == 2
 
 
@@ -359,16 +400,24 @@ def _images(n, seed):
 
 
 @pytest.fixture(scope="module")
-def conv_weights():
-    model = _conv_bn(ONE)
-    model.fit(*_images(64, seed=1), epochs=1, verbose=0)
-    return model.get_weights()
+def conv_setup():
+    """The CNN on 1 and on 2 replicas with the same weights: those the 1-replica model has
+    after an epoch on 64 images (then it is the 1-replica model here); and for each model
+    its `_restarter`, with which a test that trains it gives it those weights back:
+    (weights, [(model, restart)] for 1 and for 2 replicas)."""
+    one = _conv_bn(ONE)
+    restart_one = _restarter(one)  # its optimizer before the epoch below
+    one.fit(*_images(64, seed=1), epochs=1, verbose=0)
+    weights = one.get_weights()
+    restart_one(weights)  # and its optimizer steps back to 0
+    two = _conv_bn(TWO, weights)
+    return weights, [(one, restart_one), (two, _restarter(two))]
 
 
 @pytest.fixture(scope="module")
-def conv_models(conv_weights):
-    """The CNN on 1 and on 2 replicas with the same weights, for evaluate and predict only."""
-    return _conv_bn(ONE, conv_weights), _conv_bn(TWO, conv_weights)
+def conv_models(conv_setup):
+    """The CNN on 1 and on 2 replicas with the same weights, for evaluate and predict."""
+    return tuple(model for model, _ in conv_setup[1])
 
 
 @pytest.mark.slow
@@ -394,17 +443,22 @@ def test_evaluate_and_predict_never_compute_on_an_empty_part(conv_models, n):
 
 
 @pytest.fixture(scope="module")
-def cnn_runs(conv_weights):
-    """The CNN trained 2 epochs on 77 images at 16 (last batch 13: 7/6) on 1 and on 2
-    replicas, validating on 1 row (1/0) after each epoch: [(model, history)] x 2."""
+def cnn_runs(conv_setup):
+    """The CNN (`conv_models`, restarted: no step taken) trained 2 epochs on 77 images at 16
+    (last batch 13: 7/6) on 1 and on 2 replicas, validating on 1 row (1/0) after each epoch,
+    then given its weights back: [(`_state` after training, history)] x 2."""
+    weights, models = conv_setup
     x, y = _images(77, seed=5)
     results = []
-    for devices in (ONE, TWO):
-        model = _conv_bn(devices, conv_weights)
-        history = model.fit(
-            x, y, epochs=2, shuffle=False, validation_data=_images(1, seed=3), verbose=0
-        ).history
-        results.append((model, history))
+    for model, restart in models:
+        restart(weights)
+        try:
+            history = model.fit(
+                x, y, epochs=2, shuffle=False, validation_data=_images(1, seed=3), verbose=0
+            ).history
+            results.append((_state(model), history))
+        finally:
+            restart(weights)  # the weights of `conv_models`, whatever happened
     return results
 
 
