@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import keras
@@ -54,6 +55,29 @@ def build(
         return model
 
     return factory()
+
+
+def set_back(model: keras.Model, seed: int | None = 3) -> Callable[[], keras.Model]:
+    """`reset()`: sets `model` back to the weights and optimizer state it has now (its
+    optimizer built first, as its first `fit` would build it, so that there is a state)
+    and, unless `seed` is None, to the random seed `build` sets (a seed drawn at random
+    comes from it): one model, traced once, serves runs that each train as a new
+    `build` would, bit for bit."""
+    if not model.optimizer.built:
+        with model.distribute_strategy.scope():
+            model.optimizer.build(model.trainable_variables)
+    weights = model.get_weights()
+    state = [v.numpy().copy() for v in model.optimizer.variables]
+
+    def reset() -> keras.Model:
+        if seed is not None:
+            keras.utils.set_random_seed(seed)
+        model.set_weights(weights)  # every replica's copy
+        for variable, value in zip(model.optimizer.variables, state, strict=True):
+            variable.assign(value)  # the learning rate too
+        return model
+
+    return reset
 
 
 def dataset(seed: int = 11, n: int = N):

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tests import forkserver
-from tests.processes import kill
+from tests.processes import kill, worker_env
 from tests.subproc import REPO, last_json
 
 STUCK_S = 300  # a bound for a stuck job, not a measurement
@@ -27,14 +27,6 @@ CKPT_EPOCHS = 5  # tests.ckpt_child: 6 steps per epoch
 CKPT_STEPS = CKPT_EPOCHS * 6
 MW_EPOCHS = 4  # tests.mw_child --tiny: 8 steps per epoch
 MW_STEPS = MW_EPOCHS * 8
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    for name in ("TF_CONFIG", "KMK_SIMULATE_REPLICAS", "KMK_KERAS_WORKAROUND"):
-        env.pop(name, None)
-    env.update(extra)
-    return env
 
 
 def _wait_for(path: Path, proc: subprocess.Popen[str], what: str) -> None:
@@ -93,7 +85,7 @@ def ckpt_child(directory: Path, out: Path, *extra: str) -> subprocess.Popen[str]
     return forkserver.popen(
         command,
         cwd=REPO,
-        env=_env(KMK_SIMULATE_REPLICAS="2"),
+        env=worker_env(KMK_SIMULATE_REPLICAS="2"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -148,7 +140,7 @@ def mw_reference(out: Path) -> list[np.ndarray]:
     proc = forkserver.popen(
         [sys.executable, "-m", "tests.mw_child", *mw_args(out, out / "ckpt")],
         cwd=REPO,
-        env=_env(KMK_SIMULATE_REPLICAS="2"),
+        env=worker_env(KMK_SIMULATE_REPLICAS="2"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -167,7 +159,7 @@ def launch(out: Path, child_args: list[str], *launcher_args: str) -> subprocess.
     proc = forkserver.popen(
         command,
         cwd=REPO,
-        env=_env(),
+        env=worker_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

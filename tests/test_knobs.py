@@ -18,7 +18,7 @@ import tensorflow as tf
 
 import keras_mirror_kit as kmk
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
-from tests.ckpt_helpers import CountBatches, max_diff
+from tests.ckpt_helpers import CountBatches, max_diff, set_back
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(256, 6)).astype("float32") * np.arange(1, 7, dtype="float32")
@@ -306,19 +306,7 @@ def spe4_fresh():
     """`spe4_fresh()`: the module's `spe_factory(4)()` for runs from scratch, set back at
     each call to the weights and optimizer state it was built with (its optimizer built at
     once, so that there is a state to set back): it trains as a new one would, bit for bit."""
-    model = spe_factory(4)()
-    with model.distribute_strategy.scope():
-        model.optimizer.build(model.trainable_variables)
-    weights, state = model.get_weights(), [v.numpy().copy() for v in model.optimizer.variables]
-
-    def get():
-        keras.utils.set_random_seed(3)  # as spe_factory's build()
-        model.set_weights(weights)  # every replica's copy
-        for variable, value in zip(model.optimizer.variables, state):
-            variable.assign(value)
-        return model
-
-    return get
+    return set_back(spe_factory(4)())  # seed 3: as spe_factory's build()
 
 
 class Uninterrupted(NamedTuple):

@@ -9,9 +9,6 @@ and row 1 to replica 1.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import keras
@@ -20,9 +17,8 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit.multi_worker import launch
 from keras_mirror_kit.workarounds import keras_loss_scale
-from tests import forkserver
+from tests.processes import run_worker_script
 
 REPO = Path(__file__).resolve().parent.parent
 INITIAL_SCALE = 2.0**15
@@ -216,35 +212,7 @@ def test_two_workers_agree_when_one_overflows(tmp_path):
 
     The 2 workers get a TF_CONFIG each (as `launch` makes it) and are forked from the
     tests' zygote: each must end by itself (a stalled collective fails after 120 s)."""
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    for name in ("TF_CONFIG", "KMK_SIMULATE_REPLICAS", "KMK_KERAS_WORKAROUND"):
-        env.pop(name, None)
-    env["KMK_COLLECTIVE_TIMEOUT"] = "120"  # a stalled collective fails instead of hanging
-    ports = launch.free_ports(2)
-    procs = [
-        forkserver.popen(
-            [sys.executable, str(script), str(tmp_path)],
-            cwd=REPO,
-            env={**env, "TF_CONFIG": launch.tf_config_for(ports, rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = []
-    try:
-        for proc in procs:  # bounds a stuck worker; no check times it
-            outputs.append(proc.communicate(timeout=400))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate(timeout=30)
-    for proc, (stdout, stderr) in zip(procs, outputs):
-        assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    run_worker_script(WORKER, tmp_path)
     for rank in (0, 1):
         result = json.loads((tmp_path / f"result-{rank}.json").read_text())
         assert result == {

@@ -36,7 +36,14 @@ from keras_mirror_kit.multi_worker.launch.options import _split_argv
 from keras_mirror_kit.workarounds import keras_multi_worker_fit
 from tests import forkserver
 from tests import network_modes as modes
-from tests.processes import alive, assert_none_left, kill
+from tests.processes import (
+    alive,
+    assert_none_left,
+    kill,
+    run_cluster,
+    tf_configs,
+    worker_env,
+)
 from tests.subproc import last_json, python_on_path, run_python
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,14 +69,6 @@ def _recorded_pids(out: Path) -> list[int]:
     return pids
 
 
-def _child_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    for name in ("TF_CONFIG", "KMK_SIMULATE_REPLICAS", "KMK_KERAS_WORKAROUND"):
-        env.pop(name, None)
-    env.update(extra)
-    return env
-
-
 def _launch(
     out: Path,
     *child_args: str,
@@ -92,7 +91,7 @@ def _launch(
     proc = forkserver.popen(
         command,
         cwd=REPO,
-        env=_child_env(),
+        env=worker_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -157,7 +156,7 @@ def _one_process_two_replicas(out: Path, *args: str) -> subprocess.CompletedProc
     return forkserver.run(
         [sys.executable, "-m", CHILD, str(out), *args],
         cwd=REPO,
-        env=_child_env(KMK_SIMULATE_REPLICAS="2"),
+        env=worker_env(KMK_SIMULATE_REPLICAS="2"),
         capture_output=True,
         text=True,
         timeout=240,
@@ -813,7 +812,7 @@ def killed_run(tmp_path_factory, ckpt_dir, first_run):
 def resumed_run(tmp_path_factory, ckpt_dir, killed_run):
     """The resume, by 2 workers started without the launcher (what it checks is training)."""
     out = tmp_path_factory.mktemp("resumed")
-    _run_cluster(out, _workers_tf_configs(), "--epochs", "2", "--ckpt", str(ckpt_dir),
+    _run_cluster(out, tf_configs(), "--epochs", "2", "--ckpt", str(ckpt_dir),
                  "--save-freq", "3")  # fmt: skip
     return out
 
@@ -974,50 +973,21 @@ def _run_cluster(
     timeout: float = 420,
     check: bool = True,
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Runs one tests.mw_child per TF_CONFIG, without the launcher, to their ends.
-
-    For the runs whose checks are on the training, not on the launcher (its process tree,
-    signals and namespaces are checked on launched runs): the workers are forked from the
-    tests' zygote (tests/forkserver.py), each configuring its own TensorFlow runtime and
-    server as a new interpreter would, so they skip TensorFlow's import. `check`: every
-    worker must exit with status 0."""
-    procs = [
-        forkserver.popen(
-            [sys.executable, "-m", CHILD, str(out), *child_args],
-            cwd=REPO,
-            env=_child_env(TF_CONFIG=config),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for config in tf_configs
-    ]
-    deadline = time.monotonic() + timeout  # bounds a stuck cluster; no check times it
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate(timeout=30)
-    done = [
-        subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-        for proc, (stdout, stderr) in zip(procs, outputs)
-    ]
+    """Runs one tests.mw_child per TF_CONFIG, without the launcher, to their ends
+    (`tests.processes.run_cluster`: forked, so they skip TensorFlow's import). `check`:
+    every worker must exit with status 0."""
+    done = run_cluster(
+        [sys.executable, "-m", CHILD, str(out), *child_args],
+        [worker_env(TF_CONFIG=config) for config in tf_configs],
+        cwd=REPO,
+        timeout=timeout,
+    )
     if check:
         for proc in done:
             assert proc.returncode == 0, (
                 f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
             )
     return done
-
-
-def _workers_tf_configs(n: int = 2) -> list[str]:
-    """TF_CONFIG of each of `n` workers on free ports of 127.0.0.1 (as `launch` makes it)."""
-    ports = launch.free_ports(n)
-    return [launch.tf_config_for(ports, index) for index in range(n)]
 
 
 @pytest.mark.slow
@@ -1108,7 +1078,7 @@ def test_workers_that_do_not_share_the_checkpoint_directory_fail_clearly(
     out = tmp_path / "out"
     out.mkdir()
     procs = _run_cluster(
-        out, _workers_tf_configs(), "--epochs", "2", "--ckpt", str(tmp_path / "ckpt-{rank}"),
+        out, tf_configs(), "--epochs", "2", "--ckpt", str(tmp_path / "ckpt-{rank}"),
         check=False,
     )  # fmt: skip
     for proc in procs:
@@ -1145,7 +1115,7 @@ def test_two_workers_accumulate_gradients_like_one_process_with_two_replicas(tmp
     same data order, and updates the weights once every 2 micro-batches."""
     out, ref = tmp_path / "workers", tmp_path / "reference"
     child_args = ("--tiny", "--accumulate", "2")  # 8 micro-batches of 64: 4 updates
-    _run_cluster(out, _workers_tf_configs(), *child_args)
+    _run_cluster(out, tf_configs(), *child_args)
     _ok(_one_process_two_replicas(ref, *child_args))
     expected = json.loads((ref / "result-0.json").read_text())
     assert expected["num_replicas"] == 2 and expected["strategy"] == "MirroredStrategy"

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -28,15 +25,13 @@ import pytest
 import tensorflow as tf
 
 import keras_mirror_kit as kmk
-from keras_mirror_kit.multi_worker import launch
 from keras_mirror_kit.workarounds import (
     keras_ema_overwrite,
     keras_grad_accumulation,
     keras_gradient_clipping,
 )
-from tests import forkserver
 from tests.ckpt_helpers import max_diff
-from tests.subproc import REPO
+from tests.processes import run_worker_script
 
 GLOBAL_BATCH, STEPS, EPOCHS = 16, 16, 2
 X = np.random.default_rng(0).normal(size=(GLOBAL_BATCH * STEPS, 6)).astype("float32")
@@ -306,7 +301,6 @@ WORKER = """
 import json, os, sys
 import numpy as np, tensorflow as tf, keras
 import keras_mirror_kit as kmk
-from keras_mirror_kit.multi_worker import launch
 from keras_mirror_kit.workarounds import keras_ema_overwrite, keras_gradient_clipping
 
 out, rank = sys.argv[1], json.loads(os.environ["TF_CONFIG"])["task"]["index"]
@@ -340,35 +334,7 @@ def test_two_workers_clip_the_reduced_gradient_and_overwrite_with_ema(tmp_path):
     The 2 workers get a TF_CONFIG each (as `launch` makes it) and are forked from the
     tests' zygote (the check is on training, not on the launcher): each must end by itself
     (a stalled collective fails after 120 s)."""
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    for name in ("TF_CONFIG", "KMK_SIMULATE_REPLICAS", "KMK_KERAS_WORKAROUND"):
-        env.pop(name, None)
-    env["KMK_COLLECTIVE_TIMEOUT"] = "120"  # a stalled collective fails instead of hanging
-    ports = launch.free_ports(2)
-    procs = [
-        forkserver.popen(
-            [sys.executable, str(script), str(tmp_path)],
-            cwd=REPO,
-            env={**env, "TF_CONFIG": launch.tf_config_for(ports, rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = []
-    try:
-        for proc in procs:  # bounds a stuck worker; no check times it
-            outputs.append(proc.communicate(timeout=400))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate(timeout=30)
-    for proc, (stdout, stderr) in zip(procs, outputs):
-        assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    run_worker_script(WORKER, tmp_path)
     # One device: w = 1, every step the gradient 2 (w - 3) over the same rows; the average
     # (momentum 0.5) overwrites the weight after steps 2 and 4, and fit ends on the average.
     w, average = 1.0, None

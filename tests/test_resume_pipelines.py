@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
-from tests.ckpt_helpers import CountBatches, StopAt, build, data, dataset, max_diff
+from tests.ckpt_helpers import CountBatches, StopAt, build, data, dataset, max_diff, set_back
 
 EPOCHS = 3
 
@@ -41,19 +41,7 @@ def fresh():
     """`fresh()`: the module's `build("sgd")` model, set back at each call to the weights
     and optimizer state it was built with (its optimizer built at once, so that there is
     a state to set back) and to the random seed `build` sets."""
-    model = build("sgd")
-    with model.distribute_strategy.scope():
-        model.optimizer.build(model.trainable_variables)
-    weights, state = model.get_weights(), [v.numpy().copy() for v in model.optimizer.variables]
-
-    def get():
-        keras.utils.set_random_seed(3)  # as build(): a seed drawn at random comes from it
-        model.set_weights(weights)  # every replica's copy
-        for variable, value in zip(model.optimizer.variables, state):
-            variable.assign(value)
-        return model
-
-    return get
+    return set_back(build("sgd"))
 
 
 def run(directory, given, model, crash_at=None):

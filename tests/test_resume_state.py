@@ -34,6 +34,7 @@ from tests.ckpt_helpers import (
     data,
     dataset,
     max_diff,
+    set_back,
 )
 from tests.subproc import last_json, run_python
 
@@ -52,19 +53,7 @@ def fresh():
     """`fresh()`: the module's `build("sgd")` model, set back at each call to the weights
     and optimizer state it was built with (its optimizer built at once, so that there is
     a state to set back) and to the random seed `build` sets."""
-    model = build("sgd")
-    with model.distribute_strategy.scope():
-        model.optimizer.build(model.trainable_variables)
-    weights, state = model.get_weights(), [v.numpy().copy() for v in model.optimizer.variables]
-
-    def get():
-        keras.utils.set_random_seed(3)  # as build(): a seed drawn at random comes from it
-        model.set_weights(weights)  # every replica's copy
-        for variable, value in zip(model.optimizer.variables, state):
-            variable.assign(value)  # the learning rate too
-        return model
-
-    return get
+    return set_back(build("sgd"))
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ from tests.ckpt_helpers import (
     data,
     dataset,
     max_diff,
+    set_back,
 )
 
 EPOCHS = 3  # 6 batches each, 18 optimizer steps
@@ -66,17 +67,8 @@ def fresh():
 
     def get(optimizer="sgd"):
         if optimizer not in made:
-            model = build(optimizer)
-            with model.distribute_strategy.scope():
-                model.optimizer.build(model.trainable_variables)
-            state = [v.numpy().copy() for v in model.optimizer.variables]
-            made[optimizer] = model, model.get_weights(), state
-        model, weights, state = made[optimizer]
-        keras.utils.set_random_seed(3)  # as build(): a seed drawn at random comes from it
-        model.set_weights(weights)  # every replica's copy
-        for variable, value in zip(model.optimizer.variables, state):
-            variable.assign(value)
-        return model
+            made[optimizer] = set_back(build(optimizer))
+        return made[optimizer]()
 
     return get
 
