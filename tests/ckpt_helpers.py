@@ -60,9 +60,10 @@ def build(
 def set_back(model: keras.Model, seed: int | None = 3) -> Callable[[], keras.Model]:
     """`reset()`: sets `model` back to the weights and optimizer state it has now (its
     optimizer built first, as its first `fit` would build it, so that there is a state)
-    and, unless `seed` is None, to the random seed `build` sets (a seed drawn at random
-    comes from it): one model, traced once, serves runs that each train as a new
-    `build` would, bit for bit."""
+    and, unless `seed` is None, calls `keras.utils.set_random_seed(seed)` as `build` does
+    before it builds (Keras' own seeds, such as `fit`'s shuffle of arrays, come from it):
+    one model, traced once, serves runs whose weights and optimizer state start as a new
+    `build`'s, bit for bit."""
     if not model.optimizer.built:
         with model.distribute_strategy.scope():
             model.optimizer.build(model.trainable_variables)

@@ -382,7 +382,9 @@ def _save_and_load(call: dict[str, Any], namespace: dict[str, Any], spec: dict[s
 
     The fitted model's own evaluation is the one `fit` made after its last step (its last
     epoch's `val_` logs, on 2 replicas): the loaded model (one device) evaluates the same
-    samples, batched as `fit` was given them.
+    samples (the multiset, where the example's validation data reshuffles on each read), in
+    batches of the size of the first one read here (for arrays, all of them in one batch).
+    A mean over the same samples: the same terms summed in another order.
     """
     import keras
     import numpy as np
