@@ -57,25 +57,27 @@ def build(
     return factory()
 
 
-def set_back(model: keras.Model, seed: int | None = 3) -> Callable[[], keras.Model]:
-    """`reset()`: sets `model` back to the weights and optimizer state it has now (its
-    optimizer built first, as its first `fit` would build it, so that there is a state)
-    and, unless `seed` is None, calls `keras.utils.set_random_seed(seed)` as `build` does
-    before it builds (Keras' own seeds, such as `fit`'s shuffle of arrays, come from it):
-    one model, traced once, serves runs whose weights and optimizer state start as a new
-    `build`'s, bit for bit."""
+def set_back(model: keras.Model, seed: int | None = 3) -> Callable[..., keras.Model]:
+    """`reset(weights=None)`: sets every variable of `model` (its weights, a random layer's
+    seed-generator state) and of its optimizer back to its value now (the optimizer built
+    first, as its first `fit` would build it, so that there is a state), then gives it
+    `weights` if given; and, unless `seed` is None, calls `keras.utils.set_random_seed(seed)`
+    as `build` does before it builds (Keras' own seeds, such as `fit`'s shuffle of arrays,
+    come from it). One model, traced once, serves runs that each start as a new `build`'s
+    would, bit for bit."""
     if not model.optimizer.built:
         with model.distribute_strategy.scope():
             model.optimizer.build(model.trainable_variables)
-    weights = model.get_weights()
-    state = [v.numpy().copy() for v in model.optimizer.variables]
+    variables = [*model.variables, *model.optimizer.variables]
+    values = [v.numpy().copy() for v in variables]
 
-    def reset() -> keras.Model:
+    def reset(weights: list[np.ndarray] | None = None) -> keras.Model:
         if seed is not None:
             keras.utils.set_random_seed(seed)
-        model.set_weights(weights)  # every replica's copy
-        for variable, value in zip(model.optimizer.variables, state, strict=True):
-            variable.assign(value)  # the learning rate too
+        for variable, value in zip(variables, values, strict=True):
+            variable.assign(value)  # every replica's copy; the learning rate too
+        if weights is not None:
+            model.set_weights(weights)
         return model
 
     return reset

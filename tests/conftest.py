@@ -99,6 +99,24 @@ def resumer():
     return build("sgd", seed=99)
 
 
+@pytest.fixture(scope="module")
+def fresh():
+    """`fresh(optimizer="sgd")`: the module's one `tests.ckpt_helpers.build(optimizer)`
+    model of that optimizer for runs from scratch (one trace for them all), set back at
+    each call to the state it was built in (`tests.ckpt_helpers.set_back`): it trains as a
+    new `build` would, bit for bit."""
+    from tests.ckpt_helpers import build, set_back  # TensorFlow: only for modules using it
+
+    made = {}
+
+    def get(optimizer: str = "sgd"):
+        if optimizer not in made:
+            made[optimizer] = set_back(build(optimizer))
+        return made[optimizer]()
+
+    return get
+
+
 def _environment_kept():
     """Yields once; then undoes what was changed in `os.environ` meanwhile."""
     before = dict(os.environ)

@@ -399,7 +399,9 @@ def _save_and_load(call: dict[str, Any], namespace: dict[str, Any], spec: dict[s
     )
     predicted = model.predict(sample, verbose=0)
     reloaded = loaded.predict(sample, verbose=0)
-    joined = lambda *leaves: np.concatenate([np.asarray(leaf) for leaf in leaves])  # noqa: E731
+    def joined(*leaves: Any) -> Any:
+        return np.concatenate([np.asarray(leaf) for leaf in leaves])
+
     x = keras.tree.map_structure(joined, *[batch[0] for batch in batches])
     y = keras.tree.map_structure(joined, *[batch[1] for batch in batches])
     size = len(keras.tree.flatten(batches[0][0])[0])

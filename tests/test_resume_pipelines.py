@@ -8,9 +8,9 @@ without it; a map that draws from shared random state is warned about (`strict`:
 The same 2-replica job as tests/test_synced_checkpoint.py: 6 batches an epoch. The
 uninterrupted run of the mapped pipeline (`mapped_reference`) and the model that resumes
 each crashed one (`resumer`, tests/conftest.py, also for the cache) are made once for the
-module; so is the model of the runs from scratch (`fresh`: one `build("sgd")`, set back to
-its initial weights, optimizer state and seed before each run, from which it trains
-exactly as a new one would): one trace for the reference, crashed and other fresh runs.
+module; so is the model of the runs from scratch (`fresh`, tests/conftest.py: one
+`build("sgd")`, set back to the state it was built in before each run, from which it
+trains exactly as a new one would): one trace for the reference, crashed and other runs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
-from tests.ckpt_helpers import CountBatches, StopAt, build, data, dataset, max_diff, set_back
+from tests.ckpt_helpers import CountBatches, StopAt, build, data, dataset, max_diff
 
 EPOCHS = 3
 
@@ -34,14 +34,6 @@ def double(x, y):
 
 def mapped(ds):
     return ds.map(double, num_parallel_calls=tf.data.AUTOTUNE).prefetch(2)
-
-
-@pytest.fixture(scope="module")
-def fresh():
-    """`fresh()`: the module's `build("sgd")` model, set back at each call to the weights
-    and optimizer state it was built with (its optimizer built at once, so that there is
-    a state to set back) and to the random seed `build` sets."""
-    return set_back(build("sgd"))
 
 
 def run(directory, given, model, crash_at=None):

@@ -5,11 +5,11 @@ The same 2-replica job as tests/test_synced_checkpoint.py: 96 samples, global ba
 checkpoints or trained from scratch before, and checks the weights, the batches trained
 or the refusal. Runs several tests start from are made once per module, read-only (tests
 resume copies of their directories): `crashed_mid_epoch`, `plain_run` (an uninterrupted
-run: weights and checkpoints), `two_stage_runs`. Models are shared too (one trace each):
-`fresh()` is the one `build("sgd")` of the runs from scratch, set back before each run to
-the weights, optimizer state and random seed it was built with (what a new `build` trains
-to, bit for bit); `resumer` (tests/conftest.py) is the one SGD model that resumes
-(`crashed_mid_epoch`'s copies, the reruns): a restore replaces its state.
+run: weights and checkpoints), `two_stage_runs`. Models are shared too (one trace each,
+both fixtures of tests/conftest.py): `fresh()` is the one `build("sgd")` of the runs from
+scratch, set back before each run to the state it was built in (what a new `build` trains
+to, bit for bit); `resumer` is the one SGD model that resumes (`crashed_mid_epoch`'s
+copies, the reruns): a restore replaces its state.
 """
 
 from __future__ import annotations
@@ -46,14 +46,6 @@ def plain_dataset():
 
 def npz_files(directory):
     return sorted(n for n in os.listdir(directory) if n.endswith(".npz"))
-
-
-@pytest.fixture(scope="module")
-def fresh():
-    """`fresh()`: the module's `build("sgd")` model, set back at each call to the weights
-    and optimizer state it was built with (its optimizer built at once, so that there is
-    a state to set back) and to the random seed `build` sets."""
-    return set_back(build("sgd"))
 
 
 @pytest.fixture(scope="module")
@@ -192,11 +184,8 @@ def test_random_layers_resume_mid_epoch_to_the_uninterrupted_weights(tmp_path):
     """The uninterrupted and the crashed run: one model (one trace), every variable of it
     (the random layers' seed-generator state too) and of its optimizer set back between."""
     model, ds = build("sgd", random_layers=True), dataset()
-    with model.distribute_strategy.scope():
-        model.optimizer.build(model.trainable_variables)
-    variables = model.variables + model.optimizer.variables
-    initial = [v.numpy().copy() for v in variables]
     assert any("seed_generator_state" in v.path for v in model.variables)
+    reset = set_back(model)  # seed 3: as build("sgd", random_layers=True)
     model.fit(
         ds,
         epochs=3,
@@ -204,9 +193,7 @@ def test_random_layers_resume_mid_epoch_to_the_uninterrupted_weights(tmp_path):
         callbacks=[SyncedCheckpoint(tmp_path / "ref", save_freq=2, dataset=ds)],
     )
     reference = model.get_weights()
-    keras.utils.set_random_seed(3)  # as build("sgd", random_layers=True) does
-    for variable, value in zip(variables, initial):
-        variable.assign(value)  # every replica's copy
+    reset()
     ds = dataset()
     with pytest.raises(KeyboardInterrupt):
         model.fit(

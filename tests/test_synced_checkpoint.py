@@ -6,9 +6,9 @@ same instance after a raise, of a finished run) are compared with an uninterrupt
 module, and its checkpoint directory (read-only; tests copy it) also serves the tests of
 a finished run, the optimizer state, an unreadable manifest, another model, corrupt and
 pickled checkpoints. `crashed_at_boundary` is one crashed run per optimizer whose copies
-several tests resume. Models are shared too (one trace each): `fresh(optimizer)` is one
-`build(optimizer)` per optimizer, set back before each run to the weights and optimizer
-state it was built with (what a new `build` trains to, bit for bit), for the reference,
+several tests resume. Models are shared too (one trace each): `fresh(optimizer)`
+(tests/conftest.py) is one `build(optimizer)` per optimizer, set back before each run to
+the state it was built in (what a new `build` trains to, bit for bit), for the reference,
 crashed and other runs from scratch; `resumers(optimizer)` is one seed-99 model per
 optimizer (for "sgd" `resumer`, tests/conftest.py) for the resumes and the tests whose
 checks do not depend on the weights a model starts from: a restore replaces its state.
@@ -38,7 +38,6 @@ from tests.ckpt_helpers import (
     data,
     dataset,
     max_diff,
-    set_back,
 )
 
 EPOCHS = 3  # 6 batches each, 18 optimizer steps
@@ -55,22 +54,6 @@ class Reference(NamedTuple):
     weights: list[np.ndarray]
     optimizer_variables: list[np.ndarray]
     directory: object
-
-
-@pytest.fixture(scope="module")
-def fresh():
-    """`fresh(optimizer="sgd")`: the module's `build(optimizer)` model of that optimizer,
-    set back at each call to the weights and optimizer state it was built with (its
-    optimizer built at once, so that there is a state to set back) and to the random seed
-    `build` sets."""
-    made = {}
-
-    def get(optimizer="sgd"):
-        if optimizer not in made:
-            made[optimizer] = set_back(build(optimizer))
-        return made[optimizer]()
-
-    return get
 
 
 @pytest.fixture(scope="module")

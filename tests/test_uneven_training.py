@@ -7,7 +7,8 @@ for arrays, plain `tf.data` and kit datasets, with `sample_weight`, `class_weigh
 masked sequence loss. The unweighted cases feed 1 replica the same rows in the same batches
 (validation: the same 29 rows in one batch), so they share one 1-replica run (on arrays);
 each 2-replica run is its own. The runs on a number of replicas share one model, restarted
-for each run with the same first weights and an optimizer that took no step (`_restarter`):
+for each run with the same first weights and an optimizer that took no step
+(`tests.ckpt_helpers.set_back`):
 it is traced once per input signature. Evaluation and prediction of 1, 2, 3 and 77 rows run a
 Conv2D + BatchNormalization model on 3-channel images through a layer that fails if a
 replica ever computes on an empty part, so the test does not depend on the host's oneDNN
@@ -29,6 +30,7 @@ import tensorflow as tf
 import keras_mirror_kit as kmk
 from keras_mirror_kit.fit_inputs import replica_parts
 from keras_mirror_kit.workarounds import keras_replica_shares
+from tests.ckpt_helpers import set_back
 from tests.subproc import REPO, run_python
 
 ONE, TWO = ["/cpu:0"], ["/cpu:0", "/cpu:1"]
@@ -59,25 +61,6 @@ def _state_gap(one: keras.Model | list, two: keras.Model | list) -> float:
     """The largest difference of the two models' (or `_state`s') weights and optimizer steps."""
     one, two = (_state(m) if isinstance(m, keras.Model) else m for m in (one, two))
     return max(_gap(a, b) for a, b in zip(one, two, strict=True))
-
-
-def _restarter(model: keras.Model):
-    """`restart(weights)`: gives `model` these weights and its optimizer as it was before its
-    first step (built here, as its first `fit` would build it), so that one model, traced
-    once per input signature, serves several runs that each start as a new model would."""
-    if not model.optimizer.built:
-        with model.distribute_strategy.scope():
-            model.optimizer.build(model.trainable_variables)
-    assert int(model.optimizer.iterations.numpy()) == 0, "restarts from before any step"
-    fresh = [v.numpy() for v in model.optimizer.variables]
-
-    def restart(weights: list[np.ndarray]) -> keras.Model:
-        model.set_weights(weights)
-        for variable, value in zip(model.optimizer.variables, fresh, strict=True):
-            variable.assign(value)
-        return model
-
-    return restart
 
 
 def _history_gap(one: dict, two: dict) -> float:
@@ -133,6 +116,7 @@ def _dnn(devices, **distributed):
 def _run(model, fit_kwargs, data, eval_rows=29):
     """`model` (restarted: its first weights, no step taken) trained 2 epochs, then
     evaluated and asked to predict: (`_state`, history, evaluate, predict)."""
+    assert int(model.optimizer.iterations.numpy()) == 0, "restarts from before any step"
     history = model.fit(*data(), epochs=2, verbose=0, **fit_kwargs).history
     x, y = _tabular(eval_rows, seed=9)
     state = _state(model)
@@ -202,10 +186,7 @@ def dnn_runs():
     """`run(devices, case)`: the run (`_run`) of `case` on `devices`; one model per device
     list, restarted for each run with the same first weights and an optimizer that took no
     step; a 1-replica run is made once for the module (`REFERENCE[case]`)."""
-    restarts = {}
-    for devices in (ONE, TWO):
-        model = _dnn(devices)
-        restarts[len(devices)] = (_restarter(model), model.get_weights())
+    restarts = {len(devices): set_back(_dnn(devices), seed=None) for devices in (ONE, TWO)}
     references = {}
 
     def run(devices, case):
@@ -213,8 +194,7 @@ def dnn_runs():
             case = REFERENCE[case]
             if case in references:
                 return references[case]
-        restart, weights = restarts[len(devices)]
-        result = _run(restart(weights), _fit_kwargs(case), CASES[case][0])
+        result = _run(restarts[len(devices)](), _fit_kwargs(case), CASES[case][0])
         if devices == ONE:
             references[case] = result
         return result
@@ -403,15 +383,15 @@ def _images(n, seed):
 def conv_setup():
     """The CNN on 1 and on 2 replicas with the same weights: those the 1-replica model has
     after an epoch on 64 images (then it is the 1-replica model here); and for each model
-    its `_restarter`, with which a test that trains it gives it those weights back:
+    its `set_back`, with which a test that trains it gives it those weights back:
     (weights, [(model, restart)] for 1 and for 2 replicas)."""
     one = _conv_bn(ONE)
-    restart_one = _restarter(one)  # its optimizer before the epoch below
+    restart_one = set_back(one, seed=None)  # its optimizer before the epoch below
     one.fit(*_images(64, seed=1), epochs=1, verbose=0)
     weights = one.get_weights()
     restart_one(weights)  # and its optimizer steps back to 0
     two = _conv_bn(TWO, weights)
-    return weights, [(one, restart_one), (two, _restarter(two))]
+    return weights, [(one, restart_one), (two, set_back(two, seed=None))]
 
 
 @pytest.fixture(scope="module")
@@ -452,6 +432,7 @@ def cnn_runs(conv_setup):
     results = []
     for model, restart in models:
         restart(weights)
+        assert int(model.optimizer.iterations.numpy()) == 0, "restarts from before any step"
         try:
             history = model.fit(
                 x, y, epochs=2, shuffle=False, validation_data=_images(1, seed=3), verbose=0
