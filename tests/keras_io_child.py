@@ -399,6 +399,7 @@ def _save_and_load(call: dict[str, Any], namespace: dict[str, Any], spec: dict[s
     )
     predicted = model.predict(sample, verbose=0)
     reloaded = loaded.predict(sample, verbose=0)
+
     def joined(*leaves: Any) -> Any:
         return np.concatenate([np.asarray(leaf) for leaf in leaves])
 

@@ -15,11 +15,24 @@ from tests import forkserver
 
 
 def alive(pid: int) -> bool:
-    """Whether `pid` is a running (not zombie) process."""
+    """Whether `pid` is a running process (not a zombie, nor dead while its parent reaps it)."""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except psutil.NoSuchProcess:
         return False
+
+
+def _described(pid: int) -> str:
+    """`pid` with its state, parent, group and command line, for a failure message."""
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            return (
+                f"{pid} ({proc.status()}, ppid {proc.ppid()}, pgid {os.getpgid(pid)}: "
+                f"{' '.join(proc.cmdline())[:120]})"
+            )
+    except (psutil.Error, OSError):
+        return f"{pid} (gone)"
 
 
 def kill(pids: list[int]) -> None:
@@ -34,8 +47,9 @@ def kill(pids: list[int]) -> None:
 def assert_none_left(pids: list[int]) -> None:
     """Fails (after killing them) if any of `pids` is still alive."""
     left = [pid for pid in pids if alive(pid)]
+    described = [_described(pid) for pid in left]
     kill(left)
-    assert not left, f"processes left behind: {left}"
+    assert not left, f"processes left behind: {left}: {'; '.join(described)}"
 
 
 def tf_configs(n: int = 2) -> list[str]:

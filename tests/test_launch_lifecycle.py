@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -76,7 +77,11 @@ JOB = textwrap.dedent(
     info = {"pid": os.getpid(), "pdeathsig": parent_death_signal(),
             "netns": os.readlink("/proc/self/ns/net")}
     if mode in ("hang-helper", "helper-cleans-up", "helper-ignores-term"):
-        helper = subprocess.Popen([sys.executable, "-c", HELPER, out, str(rank), mode])
+        # The one that ignores SIGTERM holds no pipe of the launcher's: nothing but the
+        # launcher's own wait keeps it from returning before the SIGKILL took effect.
+        quiet = subprocess.DEVNULL if mode == "helper-ignores-term" else None
+        helper = subprocess.Popen(
+            [sys.executable, "-c", HELPER, out, str(rank), mode], stdout=quiet, stderr=quiet)
         info["helper_pid"] = helper.pid
         wait_for(lambda: os.path.exists(os.path.join(out, f"helper-ready-{rank}")))
     mark(f"pids-{rank}.json", json.dumps(info))
@@ -413,6 +418,25 @@ def test_helpers_get_the_grace_period_at_a_normal_end(capsys, job, out):
 
 @pytest.mark.slow
 def test_a_helper_that_ignores_sigterm_is_killed_after_the_grace_period(capsys, job, out):
+    assert launch.main(["-n", "2", "--grace", "1", str(job), str(out), "helper-ignores-term"]) == 0
+    pids = _recorded(out)
+    assert len(pids) == 4
+    assert_none_left(pids)
+
+
+@pytest.mark.slow
+def test_the_launcher_returns_once_what_it_killed_has_died(capsys, job, out, monkeypatch):
+    """A SIGKILL takes effect when its process next runs, which on a loaded host can be a
+    while. Here the launcher's SIGKILL reaches the groups 0.5 s late: it still returns only
+    once nothing of theirs is alive."""
+    real = launch_group.signal_group
+
+    def late(process: subprocess.Popen[bytes], sig: int) -> None:
+        if sig != signal.SIGKILL:
+            return real(process, sig)
+        threading.Timer(0.5, real, (process, sig)).start()
+
+    monkeypatch.setattr(launch_group, "signal_group", late)
     assert launch.main(["-n", "2", "--grace", "1", str(job), str(out), "helper-ignores-term"]) == 0
     pids = _recorded(out)
     assert len(pids) == 4

@@ -37,6 +37,7 @@ from keras_mirror_kit.multi_worker.launch.workers import (
 )
 
 POLL_S = 0.05
+KILL_WAIT_S = 10.0  # for SIGKILLed processes to die (uninterruptible sleep may delay it)
 
 
 @dataclass
@@ -238,7 +239,8 @@ class Group:
         """SIGTERM every worker's process group, SIGKILL after the grace period, reap all.
 
         What is still alive after SIGTERM (a worker, or a helper it left in its group, even
-        after a normal end) gets up to `--grace` seconds; SIGKILL only for what is left.
+        after a normal end) gets up to `--grace` seconds; SIGKILL only for what is left, and
+        the launcher waits (up to KILL_WAIT_S) until what it killed has died.
         Returns the workers that were still running, i.e. that this stopped.
         """
         stopped = [w for w in self.workers if peek_exit(w) is None]
@@ -251,6 +253,11 @@ class Group:
             # Also kills what the worker left behind in its group after exiting; its zombie
             # still holds the group id, so the signal cannot reach an unrelated process.
             signal_group(worker.process, signal.SIGKILL)
+        # SIGKILL is delivered when the process next runs: on a loaded host a helper can
+        # still be alive for a moment. Wait for the groups to empty, while their ids are held.
+        deadline = time.monotonic() + KILL_WAIT_S
+        while time.monotonic() < deadline and any(self._still_running(w) for w in self.workers):
+            time.sleep(POLL_S / 5)
         for worker in self.workers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.process.wait(timeout=10)  # reaps: from here the group id is free
