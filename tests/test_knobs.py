@@ -129,6 +129,7 @@ def test_mixed_precision_for_the_factory_only(policy):
         return model
 
     before = keras.config.dtype_policy().name
+    keras.utils.set_random_seed(0)  # unseeded, the accuracy after 3 epochs ranged 0.34-0.44
     model = build()
     assert keras.config.dtype_policy().name == before == "float32"  # restored
     compute = policy.split("_")[1]
@@ -149,7 +150,7 @@ def test_mixed_precision_for_the_factory_only(policy):
     _, accuracy = model.evaluate(
         kmk.make_dataset(xt, yt, 64, shuffle=False, preprocess=kmk.rescale()), verbose=0
     )
-    assert accuracy > 0.3  # converges (chance is 0.1)
+    assert accuracy > 0.3, accuracy  # converges (chance is 0.1)
 
 
 def test_bad_mixed_precision_and_steps_arguments():
