@@ -57,9 +57,14 @@ def _state(model: keras.Model) -> list[np.ndarray]:
     return [*model.get_weights(), model.optimizer.iterations.numpy()]
 
 
+def _as_state(model_or_state: keras.Model | list) -> list:
+    """`_state(model)` of a model; a `_state` as it is."""
+    return _state(model_or_state) if isinstance(model_or_state, keras.Model) else model_or_state
+
+
 def _state_gap(one: keras.Model | list, two: keras.Model | list) -> float:
     """The largest difference of the two models' (or `_state`s') weights and optimizer steps."""
-    one, two = (_state(m) if isinstance(m, keras.Model) else m for m in (one, two))
+    one, two = _as_state(one), _as_state(two)
     return max(_gap(a, b) for a, b in zip(one, two, strict=True))
 
 
@@ -72,7 +77,7 @@ def _history_gap(one: dict, two: dict) -> float:
 
 def _weights_close(one: keras.Model | list, two: keras.Model | list) -> None:
     """The two models' (or `_state`s') weights and optimizer steps agree."""
-    one, two = (_state(m) if isinstance(m, keras.Model) else m for m in (one, two))
+    one, two = _as_state(one), _as_state(two)
     assert len(one) == len(two), (len(one), len(two))
     for a, b in zip(one[:-1], two[:-1], strict=True):
         _close(a, b, "weights")

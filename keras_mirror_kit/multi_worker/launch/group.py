@@ -235,6 +235,12 @@ class Group:
         members = group_members(worker.process.pid)
         return bool(members)  # without /proc (None): only the worker itself is waited for
 
+    def _wait_while_running(self, seconds: float, poll: float) -> None:
+        """Waits up to `seconds` while a worker, or what it left in its group, is alive."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and any(self._still_running(w) for w in self.workers):
+            time.sleep(poll)
+
     def stop(self) -> list[Worker]:
         """SIGTERM every worker's process group, SIGKILL after the grace period, reap all.
 
@@ -246,18 +252,14 @@ class Group:
         stopped = [w for w in self.workers if peek_exit(w) is None]
         for worker in self.workers:
             signal_group(worker.process, signal.SIGTERM)
-        deadline = time.monotonic() + self.args.grace
-        while time.monotonic() < deadline and any(self._still_running(w) for w in self.workers):
-            time.sleep(POLL_S)
+        self._wait_while_running(self.args.grace, POLL_S)
         for worker in self.workers:
             # Also kills what the worker left behind in its group after exiting; its zombie
             # still holds the group id, so the signal cannot reach an unrelated process.
             signal_group(worker.process, signal.SIGKILL)
         # SIGKILL is delivered when the process next runs: on a loaded host a helper can
         # still be alive for a moment. Wait for the groups to empty, while their ids are held.
-        deadline = time.monotonic() + KILL_WAIT_S
-        while time.monotonic() < deadline and any(self._still_running(w) for w in self.workers):
-            time.sleep(POLL_S / 5)
+        self._wait_while_running(KILL_WAIT_S, POLL_S / 5)
         for worker in self.workers:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 worker.process.wait(timeout=10)  # reaps: from here the group id is free
