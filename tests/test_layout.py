@@ -29,8 +29,10 @@ ABOVE_CORE = (
 # core; the rest of `multi_worker` (TF_CONFIG and Slurm parsing, the strategy) is below `data`.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("validation", "atomic_files", "_version", "named_objects", "tensorflow_objects"),
+    ("model_parts",),
     ("precision", "batch_norm"),
     ("workarounds",),
+    ("own_steps",),
     ("scaling",),
     ("devices",),
     ("datasets",),

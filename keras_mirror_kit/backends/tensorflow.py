@@ -18,6 +18,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_mirror_kit import own_steps
 from keras_mirror_kit.backends import tensorflow_preprocess
 from keras_mirror_kit.backends.tensorflow_state import (  # the checkpoints' reads and checks
     differing_copies,
@@ -228,12 +229,15 @@ def after_prepare(model: Any, engine: Engine) -> None:
 
 
 def install(model: Any) -> None:
-    """Once per model: exact steps on any split, replica steps, no tf.data autotuning
-    thread, uneven first batches."""
-    keras_replica_shares.apply(model)  # first: the replica steps below wrap these steps
+    """Once per model: exact steps on any split (Keras' own steps, or the model's own),
+    replica steps, no tf.data autotuning thread, uneven first batches."""
+    own_steps.apply(model, model.distribute_strategy)  # before: Keras' steps it leaves
+    keras_replica_shares.apply(model)  # first of the rest: the replica steps wrap these
     tensorflow_preprocess.install(model)  # make_dataset's preprocess on the replicas
     tf_data_iterator_stall.apply(model)  # no tf.data autotuning thread: see that module
-    keras_uneven_first_batch.apply(model)  # evaluation on batches that split unevenly
+    keras_uneven_first_batch.apply(  # evaluation on batches that split unevenly
+        model, before_build=own_steps.before_build, after_build=own_steps.after_build
+    )
 
 
 @contextlib.contextmanager
@@ -246,7 +250,7 @@ def call(model: Any, engine: Engine, method: str, arguments: dict[str, Any]) -> 
 
 def trains_exactly(model: Any) -> bool:
     """Whether a training batch that splits unevenly over the replicas trains as on one."""
-    return keras_replica_shares.trains_exactly(model)
+    return keras_replica_shares.trains_exactly(model) or own_steps.is_applied(model)
 
 
 def stop_agreement(strategy: Any, wake: Any) -> Any:

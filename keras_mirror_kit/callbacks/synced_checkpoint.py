@@ -50,7 +50,7 @@ from keras_mirror_kit.checkpoint.snapshot import (
     take_snapshot,
 )
 from keras_mirror_kit.checkpoint.start_state import StartState
-from keras_mirror_kit.checkpoint.state import build_optimizer, state_variables
+from keras_mirror_kit.checkpoint.state import build_optimizer, check_reachable, state_variables
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.fit_inputs import kit_pipeline
 from keras_mirror_kit.model_record import engine_of, is_chief
@@ -78,10 +78,13 @@ class SyncedCheckpoint(keras.callbacks.Callback):
 
     Each checkpoint holds every variable the model owns (`model.variables`: weights,
     BatchNormalization statistics and the random state of `Dropout`, `GaussianNoise` and
-    other random layers) and Keras' global random state where it is used, the optimizer's
-    full state (iterations, learning rate, moments), the state of the stateful callbacks in
-    the `callbacks` list (`EarlyStopping`, `ReduceLROnPlateau`, `ModelCheckpoint`'s best
-    value, and any callback with `get_checkpoint_state`/`set_checkpoint_state`), and the
+    other random layers) and Keras' global random state where it is used, the full state
+    (iterations, learning rate, moments, loss scale) of every optimizer the model holds
+    (`model.optimizer`, and a GAN's `d_optimizer` and `g_optimizer` set in its `compile()`),
+    the seed state of a model's own `train_step` (`own_steps`), the state of the stateful
+    callbacks in the `callbacks` list (`EarlyStopping`, `ReduceLROnPlateau`,
+    `ModelCheckpoint`'s best value, and any callback with `get_checkpoint_state` /
+    `set_checkpoint_state`), and the
     progress (which `fit` of the script, epoch, batch, whether that `fit` was stopped).
     Files are written atomically and the manifest that names the newest checkpoint is
     replaced last, so a kill at any instant leaves the previous checkpoint loadable.
@@ -177,7 +180,9 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             batch, when `fit` iterates another dataset than `dataset=`.
         CheckpointError: At `on_train_begin`, before any training step, for an unusable
             directory or a checkpoint of another model or optimizer (or a data mismatch
-            with `strict=True`); at a save, for a state holding NaN or Inf.
+            with `strict=True`), or a model holding state no checkpoint can hold (a
+            `tf.Variable` Keras does not track, a stateful TensorFlow random op in its own
+            `train_step`); at a save, for a state holding NaN or Inf.
         CheckpointLockedError: At `on_train_begin`, when another live run holds the
             directory's lock (`writer.lock`; a stale one is taken over with a
             `StaleLockWarning`).
@@ -314,6 +319,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self.model._initial_epoch = None  # noqa: SLF001
         self._reset_run_state()
         check_callback_model(self.model, "SyncedCheckpoint")
+        check_reachable(self.model)  # state no checkpoint can hold: refused before any step
         self._fit = _FITS.starting(self.model, self.directory, self._epochs())
         self._adopt_arrangement()
         self._is_chief = is_chief(self.model)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -25,6 +26,7 @@ import numpy as np
 
 from keras_mirror_kit import backends
 from keras_mirror_kit.checkpoint.store import CheckpointError, LoadedCheckpoint
+from keras_mirror_kit.model_parts import optimizers_of, untracked_variables
 from keras_mirror_kit.model_record import engine_of
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "assign_state",
     "auto_name_prefixes",
     "build_optimizer",
+    "check_reachable",
     "global_random_state",
     "global_seed_variable",
     "match_state",
@@ -61,20 +64,78 @@ def state_variables(model: Any, legacy: bool = False) -> list[tuple[str, Any]]:
     """`(group, variable)` of what a checkpoint of `model` holds, in the saved order.
 
     `("model", v)` for `model.variables` (weights and the random layers' state; no
-    metrics), then `("optimizer", v)` for the optimizer's. `legacy`: what files without
-    `"state"` hold (`model.weights`, without the random layers' seed-generator state).
+    metrics) and, for a model with its own training step, the kit's seed generator of that
+    step (`own_steps.own_state`); then `("optimizer", v)` for every optimizer the model
+    holds (`model_parts.optimizers_of`: `model.optimizer` first, then a GAN's
+    `d_optimizer`, `g_optimizer`, ...). `legacy`: what files without `"state"` hold
+    (`model.weights` and `model.optimizer`'s, without any seed-generator state).
     """
     # model.variables = weights + the random layers' seed-generator state (no metrics).
-    model_variables = model.weights if legacy else model.variables
-    named = [("model", v) for v in model_variables]
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
+    if legacy:
+        named = [("model", v) for v in model.weights]
+        optimizer = getattr(model, "optimizer", None)
+        optimizers = [optimizer] if optimizer is not None else []
+    else:
+        named = [("model", v) for v in [*model.variables, *_own_step_state(model)]]
+        optimizers = optimizers_of(model)
+    for optimizer in optimizers:
         named += [("optimizer", v) for v in optimizer.variables]
     return named
 
 
+def _own_step_state(model: Any) -> list[Any]:
+    """`own_steps.own_state(model)`; none where that TensorFlow-side module was never used."""
+    module = sys.modules.get("keras_mirror_kit.own_steps")
+    return list(module.own_state(model)) if module is not None else []
+
+
+def check_reachable(model: Any) -> None:
+    """Refuses, before any step, a model with state no checkpoint can hold.
+
+    That is a `tf.Variable` the model or a layer holds outside Keras' tracking
+    (`model_parts.untracked_variables`), and a stateful TensorFlow random op in the model's
+    own training step that the kit does not draw from the model's saved generator (found
+    by the probe of `own_steps`). A resumed run would start them afresh, and so would not
+    go on as the interrupted one.
+
+    Raises:
+        CheckpointError: Naming that state and what to write instead.
+    """
+    untracked = untracked_variables(model)
+    module = sys.modules.get("keras_mirror_kit.own_steps")
+    record = module.record_of(model) if module is not None else None
+    ops = list(record.result.stateful_random) if record is not None and record.result else []
+    if not untracked and not ops:
+        return
+    found, fixes = [], []
+    if untracked:
+        names = [getattr(v, "name", "?") for v in untracked]
+        found.append(f"{len(names)} tf.Variable(s) Keras does not track ({', '.join(names[:5])})")
+        fixes.append("create them with keras.Variable(...) as attributes of the model or a layer")
+    if ops:
+        found.append(
+            f"stateful TensorFlow random ops in its train_step ({', '.join(ops)}), whose state "
+            "lives in the ops"
+        )
+        fixes.append(
+            "draw with keras.random.* and a keras.random.SeedGenerator created in __init__ "
+            "(seed=self.seed_generator), or with tf.random.normal, uniform or "
+            "truncated_normal, which the kit draws from the model's saved generator"
+        )
+    raise CheckpointError(
+        f"{type(model).__name__} holds state that no checkpoint can hold: "
+        f"{'; and '.join(found)}. A resumed run would start it afresh and go on unlike the "
+        f"interrupted one, so nothing was trained. To checkpoint it, {'; and '.join(fixes)}. "
+        f"Received: model={model.name!r}"
+    )
+
+
 def build_optimizer(model: Any) -> None:
-    """Builds the optimizer of `model` if needed, so that its variables can be restored."""
+    """Builds the optimizer of `model` if needed, so that its variables can be restored.
+
+    The other optimizers the model holds are built by the probe of its own training step
+    (`own_steps`), which knows the variables each one applies.
+    """
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not optimizer.built:
         with engine_of(model).scope():
@@ -274,15 +335,14 @@ def _snake_case(name: str) -> str:
 def auto_name_prefixes(model: Any) -> set[str]:
     """The names Keras may have auto-numbered in `model`'s variable paths.
 
-    The snake-case class names of the model, its layers (nested too) and its optimizer,
-    and `"seed_generator"`.
+    The snake-case class names of the model, its layers (nested too) and every optimizer it
+    holds, and `"seed_generator"`.
     """
     objects: list[Any] = [model]
     flatten = getattr(model, "_flatten_layers", None)
     if callable(flatten):
         objects += list(flatten(include_self=False, recursive=True))
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None:
+    for optimizer in optimizers_of(model):
         objects.append(optimizer)
         inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
         if inner is not None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from keras_mirror_kit.replica_check.record import ReplicaCause
 
-__all__ = ["model_causes", "state_causes", "variable_roles"]
+__all__ = ["model_causes", "state_causes", "trained_causes", "variable_roles"]
 
 _CLIP_OPTIONS = ("clipnorm", "global_clipnorm", "clipvalue")
 _LOW_PRECISION = ("float16", "bfloat16")
@@ -229,10 +229,79 @@ def _low_precision(model: Any) -> list[ReplicaCause]:
     ]
 
 
+def _own_train_step(model: Any, replicas: int) -> list[ReplicaCause]:
+    from keras_mirror_kit.model_parts import has_own_step, optimizers_of
+
+    if not has_own_step(model, "train_step"):
+        return []
+    held = [o for o in optimizers_of(model) if o is not getattr(model, "optimizer", None)]
+    status = _workaround_status("keras_own_step_losses")
+    extra = (
+        f" It holds {len(held)} optimizer(s) besides model.optimizer "
+        f"({_names([o.name for o in held])}): each is weighed the same way and saved with "
+        "every checkpoint."
+        if held
+        else ""
+    )
+    if status == "tested":
+        return [
+            ReplicaCause(
+                "own_train_step",
+                f"{type(model).__name__} writes its own train_step. Under plain Keras, a "
+                "loss it computes itself as a mean (keras.ops.mean, keras.losses "
+                "functions) is not divided by the number of replicas while Keras' Loss "
+                f"objects and compute_loss are, and the replicas' gradients are summed: "
+                f"{replicas} replicas would apply {replicas} times one device's gradient "
+                "for such a loss, and log the others divided. The kit computes every loss "
+                "as one device does on each replica's part and weighs each replica's "
+                "gradients by its share of the batch (keras_mirror_kit.own_steps); a "
+                "probe step at the first fit() checks this against one replica." + extra,
+                "Nothing to fix: write each loss as one device computes it on the batch "
+                "the step receives (docs: 'Writing your own train_step'). A loss divided "
+                "by the number of replicas or by a fixed global batch size is refused "
+                "before any step.",
+            )
+        ]
+    return [
+        ReplicaCause(
+            "own_train_step",
+            f"{type(model).__name__} writes its own train_step, which the kit makes train "
+            "as on one device only on the Keras versions its workaround was tested on "
+            "(keras_mirror_kit.workarounds.keras_own_step_losses); on several replicas the "
+            "kit refuses it here.",
+            "Train it on one replica, or use a Keras version the workaround was tested on.",
+        )
+    ]
+
+
+def trained_causes(model: Any) -> list[ReplicaCause]:
+    """The causes a first `fit` of the model revealed: its own step's stateful random ops."""
+    import sys
+
+    own_steps = sys.modules.get("keras_mirror_kit.own_steps")
+    record = own_steps.record_of(model) if own_steps is not None else None
+    found = record.result.stateful_random if record is not None and record.result else []
+    if not found:
+        return []
+    return [
+        ReplicaCause(
+            "stateful_random",
+            "The train_step draws random numbers with stateful TensorFlow ops "
+            f"({', '.join(found)}) that the kit does not replace: each replica draws its "
+            "own numbers, unlike one device, and no checkpoint holds their state, so a "
+            "resumed run draws others.",
+            "Draw with keras.random.* given a keras.random.SeedGenerator created in "
+            "__init__ (seed=self.seed_generator), or with tf.random.normal, uniform or "
+            "truncated_normal, which the kit draws from the model's saved generator.",
+        )
+    ]
+
+
 def model_causes(model: Any, replicas: int) -> list[ReplicaCause]:
     """The causes the built, compiled model shows, for a run on `replicas` replicas."""
     optimizer = _inner_optimizer(model)
     return [
+        *_own_train_step(model, replicas),
         *_batch_norm(model),
         *_random_layers(model),
         *_clipping(optimizer),

@@ -93,8 +93,11 @@ def _build(settings: Any, global_batch: int, devices: list[str], seed: int) -> A
 
 
 def _ensure_built(model: Any, dist: Any, structure: Any, global_batch: int) -> None:
-    """Builds a model whose layers have no weights yet (a subclassed model) on a first batch."""
-    if model.built and model.weights:
+    """Builds a model whose layers have no weights yet (a subclassed model) on a first batch.
+
+    A model with weights is left as it is (a GAN without `call()` holds built sub-models).
+    """
+    if model.weights:
         return
     import keras
 
@@ -105,11 +108,16 @@ def _ensure_built(model: Any, dist: Any, structure: Any, global_batch: int) -> N
 
 
 def _variables(model: Any) -> list[tuple[str, str, Any]]:
-    """(path, "model" or "optimizer", variable), each variable once, paths made unique."""
+    """(path, "model" or "optimizer", variable), each variable once, paths made unique: the
+    model's, then every optimizer's it holds (`model_parts.optimizers_of`)."""
+    from keras_mirror_kit.model_parts import optimizers_of
+
     seen: set[int] = set()
     found = []
     counts: dict[str, int] = {}
-    for kind, variables in (("model", model.variables), ("optimizer", model.optimizer.variables)):
+    groups = [("model", model.variables)]
+    groups += [("optimizer", optimizer.variables) for optimizer in optimizers_of(model)]
+    for kind, variables in groups:
         for variable in variables:
             if id(variable) in seen:
                 continue
@@ -190,6 +198,7 @@ def _one_replica(job: dict[str, Any], job_dir: str) -> dict[str, Any]:
         losses = _train(model, structure, global_batch)
     except Exception as err:
         raise _Failure(_TRAIN, err, found) from err
+    found += causes.trained_causes(model)
     variables = _variables(model)
     _save(os.path.join(job_dir, "one.npz"), [np.asarray(v.numpy()) for _, _, v in variables])
     summary = {

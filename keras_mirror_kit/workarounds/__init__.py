@@ -39,6 +39,12 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
   strategy (`merge_call` in `ops.cond`). No upstream report found. Remove when
   `tests/test_optimizer_options.py::
   test_plain_keras_ema_overwrite_still_fails_under_a_strategy` fails.
+* `keras_own_step_losses`: a `train_step` a model writes itself gets Keras' 1/N loss
+  scaling only for the losses that go through Keras (`Loss` objects, `compute_loss`), so a
+  loss written as `ops.mean` trains with N times one device's gradient and the others are
+  logged divided. Inside the kit's own steps (`keras_mirror_kit.own_steps`) every loss is
+  one device's. Upstream: the scaling of keras-team/keras#20609. Remove when
+  `tests/test_own_train_steps.py::test_plain_keras_still_scales_losses_per_replica` fails.
 * `keras_epoch_rounding`: epochs and evaluations rounded up to a multiple of
   `steps_per_execution`. No upstream report found (see the module). Remove when Keras
   truncates the last execution as `compile()` documents.

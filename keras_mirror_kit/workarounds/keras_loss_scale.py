@@ -50,7 +50,7 @@ import tensorflow as tf
 
 from keras_mirror_kit.workarounds import keras_version_in
 
-__all__ = ["TESTED_KERAS", "UPSTREAM", "apply", "is_fixed", "status"]
+__all__ = ["TESTED_KERAS", "UPSTREAM", "apply", "fix_optimizer", "is_fixed", "status"]
 
 logger = logging.getLogger("keras_mirror_kit")
 
@@ -120,7 +120,8 @@ def _refusal(replicas: int) -> ValueError:
     )
 
 
-def _fix_optimizer(optimizer: Any, replicas: int) -> bool:
+def fix_optimizer(optimizer: Any, replicas: int) -> bool:
+    """Makes one `LossScaleOptimizer` decide overflow from every replica (other: no-op)."""
     if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return False
     if is_fixed(optimizer):
@@ -152,7 +153,7 @@ def _follow_compile(model: Any, replicas: int) -> None:
     @functools.wraps(original)
     def compile(*args: Any, **kwargs: Any) -> Any:  # noqa: A001
         result = original(*args, **kwargs)
-        _fix_optimizer(getattr(model, "optimizer", None), replicas)
+        fix_optimizer(getattr(model, "optimizer", None), replicas)
         return result
 
     object.__setattr__(model, "compile", compile)
@@ -172,4 +173,4 @@ def apply(model: Any, strategy: tf.distribute.Strategy) -> bool:
         return False
     if not getattr(model, "compiled", True):
         _follow_compile(model, replicas)
-    return _fix_optimizer(getattr(model, "optimizer", None), replicas)
+    return fix_optimizer(getattr(model, "optimizer", None), replicas)

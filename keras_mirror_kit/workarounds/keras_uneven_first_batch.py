@@ -83,10 +83,12 @@ def is_applied(model: Any) -> bool:
         return False
 
 
-def apply(model: Any) -> bool:
+def apply(model: Any, before_build: Any = None, after_build: Any = None) -> bool:
     """Builds this model from the first replica's part of a first batch (idempotent).
 
-    Not applied when Keras' source no longer has the reduction (fixed upstream) or cannot be
+    `before_build(model)` runs before Keras' build, `after_build(model, batch)` after it with
+    the first batch as distributed over the replicas (`keras_mirror_kit.own_steps`). Not
+    applied when Keras' source no longer has the reduction (fixed upstream) or cannot be
     read outside `TESTED_KERAS`; True when the model has the fix.
     """
     if is_applied(model):
@@ -100,12 +102,18 @@ def apply(model: Any) -> bool:
     @functools.wraps(original)
     def maybe_symbolic_build(iterator: Any = None, data_batch: Any = None) -> Any:
         strategy = getattr(model, "_distribute_strategy", None)
+        if before_build is not None:
+            before_build(model)
         if iterator is None or strategy is None:
             return original(iterator=iterator, data_batch=data_batch)
+        batch = None
         for _, _, it in iterator:  # as Keras does: the first batch of the first epoch
-            data_batch = first_local_part(next(it), strategy)
+            batch = next(it)
             break
-        return original(iterator=None, data_batch=data_batch)
+        built = original(iterator=None, data_batch=first_local_part(batch, strategy))
+        if after_build is not None:
+            after_build(model, batch)
+        return built
 
     object.__setattr__(model, "_maybe_symbolic_build", maybe_symbolic_build)
     _APPLIED.add(model)
