@@ -44,6 +44,7 @@ from keras_mirror_kit.workarounds import (
     keras_gradient_clipping,
     keras_jit_replicas,
     keras_loss_scale,
+    keras_pydataset_epochs,
     keras_replica_shares,
     keras_uneven_first_batch,
     tf_data_iterator_stall,
@@ -244,6 +245,7 @@ def install(model: Any) -> None:
 def call(model: Any, engine: Engine, method: str, arguments: dict[str, Any]) -> Iterator[None]:
     """Around one `fit`/`evaluate`/`predict` of a kit-built model, after its checks."""
     keras_jit_replicas.check(model, len(engine.devices), f"{method}()")
+    keras_pydataset_epochs.own(arguments.get("x"))  # each epoch its own order
     with tensorflow_preprocess.applied(model, method, arguments):
         yield
 

@@ -38,7 +38,7 @@ from keras_mirror_kit.model_parts import has_own_step, metrics_of, optimizers_of
 from keras_mirror_kit.own_steps import metrics as own_metrics
 from keras_mirror_kit.own_steps import optimizers as own_optimizers
 from keras_mirror_kit.own_steps import random_draws
-from keras_mirror_kit.own_steps.probe import Probe, ProbeResult, run_probe
+from keras_mirror_kit.own_steps.probe import Probe, ProbeResult, probe_batch, run_probe
 from keras_mirror_kit.own_steps.step import EMPTY_PART, wrap
 from keras_mirror_kit.workarounds import (
     keras_ema_overwrite,
@@ -105,8 +105,9 @@ def _refuse_untested(model: Any, replicas: int) -> None:
     )
 
 
-def _prepare_fit(model: Any, record: OwnStepRecord) -> None:
-    """At each fit: the model's optimizers and metrics get the rule; the probe runs once."""
+def _prepare_fit(model: Any, record: OwnStepRecord, probe: bool) -> None:
+    """At each fit (`probe`) or evaluate: the model's optimizers and metrics get the rule;
+    the probe runs once, at a fit."""
     strategy = record.strategy
     replicas = int(strategy.num_replicas_in_sync)
     if replicas > 1 and not keras_own_step_losses.install():
@@ -121,7 +122,7 @@ def _prepare_fit(model: Any, record: OwnStepRecord) -> None:
     for metric in metrics_of(model):
         own_metrics.globalize(metric)
     batch, record.first_batch = record.first_batch, None
-    if batch is None or record.result is not None:
+    if not probe or batch is None or record.result is not None:
         return
     record.result = run_probe(model, batch, strategy, record.probe, own_state(model))
     with strategy.scope():
@@ -160,11 +161,16 @@ def before_build(model: Any) -> None:
     model.built = True
 
 
-def after_build(model: Any, batch: Any) -> None:
-    """Keeps `fit`'s first batch (as distributed over the replicas) for the probe."""
+def after_build(model: Any, batch: Any, iterator: Any = None) -> None:
+    """Keeps `fit`'s first batch (as distributed over the replicas) for the probe; where none
+    was taken (a generator, a `PyDataset`), one `probe.probe_batch` takes from nothing `fit`
+    reads."""
     record = record_of(model)
-    if record is not None and record.result is None:
-        record.first_batch = batch
+    if record is None or record.result is not None:
+        return
+    if batch is None and iterator is not None:
+        batch = probe_batch(iterator, record.strategy)
+    record.first_batch = batch
 
 
 def apply(model: Any, strategy: Any) -> bool:
@@ -196,16 +202,17 @@ def apply(model: Any, strategy: Any) -> bool:
         )
         object.__setattr__(model, name, step)
     for name in ("make_train_function", "make_test_function"):
-        object.__setattr__(model, name, _preparing(model, record, getattr(model, name)))
+        function = _preparing(model, record, getattr(model, name), name == "make_train_function")
+        object.__setattr__(model, name, function)
     return True
 
 
-def _preparing(model: Any, record: OwnStepRecord, original: Any) -> Any:
+def _preparing(model: Any, record: OwnStepRecord, original: Any, probe: bool) -> Any:
     """`original` (Keras' `make_train_function` or `make_test_function`) after `_prepare_fit`."""
 
     @functools.wraps(original)
     def make_function(*args: Any, **kwargs: Any) -> Any:
-        _prepare_fit(model, record)
+        _prepare_fit(model, record, probe)
         return original(*args, **kwargs)
 
     return make_function

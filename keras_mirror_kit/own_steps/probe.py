@@ -36,7 +36,7 @@ import tensorflow as tf
 from keras_mirror_kit.model_parts import metrics_of
 from keras_mirror_kit.own_steps.context import StepContext
 
-__all__ = ["Probe", "ProbeResult", "run_probe"]
+__all__ = ["Probe", "ProbeResult", "probe_batch", "run_probe"]
 
 logger = logging.getLogger("keras_mirror_kit")
 
@@ -110,6 +110,43 @@ class ProbeResult:
     stateful_random: list[str] = field(default_factory=list)
     optimizer_variables: list[tuple[Any, list[Any]]] = field(default_factory=list)
     compared: bool = False  # the N-replica run took place and agreed
+
+
+def _synthetic(spec: Any, rows: int) -> Any:
+    """A batch of `rows` rows shaped by `spec`: uniform floats, zero integers, empty text."""
+    rng = np.random.default_rng(0)
+
+    def leaf(s: Any) -> Any:
+        shape = [rows if d is None else d for d in s.shape.as_list()[:1]]
+        shape += [1 if d is None else d for d in s.shape.as_list()[1:]]
+        if s.dtype.is_floating:
+            return tf.constant(rng.uniform(size=shape), s.dtype)
+        if s.dtype == tf.string:
+            return tf.fill(shape, "")
+        return tf.zeros(shape, s.dtype)
+
+    return tf.nest.map_structure(leaf, spec)
+
+
+def probe_batch(iterator: Any, strategy: Any) -> Any:
+    """A first batch for the probe, as `fit` distributes it, taken from nothing `fit` reads.
+
+    A `PyDataset`'s batch 0 (its batches are addressable), else a batch made from the
+    data's element spec (a generator's batches cannot be taken back). None without one.
+    """
+    from keras_mirror_kit.workarounds.keras_uneven_first_batch import spec_batch
+
+    adapter = getattr(iterator, "data_adapter", None)
+    py_dataset = getattr(adapter, "py_dataset", None)
+    if py_dataset is not None and len(py_dataset):
+        data = adapter._standardize_batch(py_dataset[0])  # noqa: SLF001
+    else:
+        spec = spec_batch(iterator)
+        if spec is None:
+            return None
+        data = _synthetic(spec, 4 * int(strategy.num_replicas_in_sync))
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(data))
+    return next(iter(dataset))
 
 
 def _components(variable: Any, strategy: Any) -> list[Any]:

@@ -11,9 +11,13 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
   (`tests/test_multi_worker.py::test_workaround_version_guard`).
 * `keras_uneven_first_batch`: `fit` and `evaluate` fail when the first batch does not
   split evenly over the replicas (a small validation set, one sample on two replicas):
-  the symbolic build averages the replicas' parts. Upstream: keras-team/keras#19246. Remove
-  when `tests/test_uneven_evaluation.py::test_plain_keras_still_fails_on_an_uneven_first_batch`
-  fails.
+  the symbolic build averages the replicas' parts. Upstream: keras-team/keras#19246. The
+  same build takes that batch from data that cannot give it back (a generator, a
+  `PyDataset`): batches lost or reordered (no upstream report found); the kit builds from
+  the element spec there. Remove when
+  `tests/test_uneven_evaluation.py::test_plain_keras_still_fails_on_an_uneven_first_batch`
+  and `tests/test_ecosystem_inputs.py::
+  test_plain_keras_still_loses_batches_of_a_generator_under_a_strategy` fail.
 * `keras_replica_shares`: a batch that tf.distribute splits unevenly (13 samples: 7/6)
   trains other weights than one device, since each replica's mean loss is divided by the
   number of replicas; and a replica with no rows computes on an empty batch (a wrong shape
@@ -45,6 +49,11 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
   logged divided. Inside the kit's own steps (`keras_mirror_kit.own_steps`) every loss is
   one device's. Upstream: the scaling of keras-team/keras#20609. Remove when
   `tests/test_own_train_steps.py::test_plain_keras_still_scales_losses_per_replica` fails.
+* `keras_pydataset_epochs`: a `PyDataset` with workers, under a strategy over several
+  devices, can train an epoch on another order than plain Keras (the previous epoch's
+  generator stops the new epoch's enqueuer). No upstream report found. Remove when
+  `tests/test_ecosystem_inputs.py::
+  test_plain_keras_still_lets_a_stale_generator_stop_the_next_epochs_enqueuer` fails.
 * `keras_epoch_rounding`: epochs and evaluations rounded up to a multiple of
   `steps_per_execution`. No upstream report found (see the module). Remove when Keras
   truncates the last execution as `compile()` documents.

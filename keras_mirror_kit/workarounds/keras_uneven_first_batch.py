@@ -17,6 +17,19 @@ from the first local replica's part of the batch, whose shapes (but for the batc
 which the build does not depend on) are those of every part; no collective is issued.
 `keras_multi_worker_fit` fixes the same call for models under a multi-worker strategy that
 the kit did not build, with the same function (`first_local_part`).
+
+The same call takes that first batch from `fit`'s own epoch iterator and then resets it,
+which loses or reorders batches of data that cannot be iterated again (no upstream report
+was found): a Python generator's batches prefetched by the build are gone at the reset (an
+epoch trains 0, 1, 1, 2 | 3, 0, 1, 2), and a `PyDataset` with `workers > 1` serves the
+batch left over from the build first (every epoch 3, 0, 1, 2). Keras without a strategy
+builds nothing from a batch, so plain Keras trains them in order. The fix takes a batch
+only from data that `fit` iterates anew each epoch anyway (arrays, a `tf.data.Dataset`);
+for a generator, a `PyDataset` and any other data it builds from the element spec of the
+distributed dataset (the shapes and dtypes, which is all the build uses), consuming
+nothing. `tests/test_ecosystem_inputs.py::
+test_plain_keras_still_loses_batches_of_a_generator_under_a_strategy` shows the upstream
+behaviour.
 """
 
 from __future__ import annotations
@@ -38,6 +51,8 @@ __all__ = [
     "bug_in_source",
     "first_local_part",
     "is_applied",
+    "replays",
+    "spec_batch",
     "status",
 ]
 
@@ -75,6 +90,31 @@ def first_local_part(batch: Any, strategy: tf.distribute.Strategy) -> Any:
     )
 
 
+# The data adapters whose data `fit` iterates anew each epoch: taking a batch is harmless.
+_REPLAYED_ADAPTERS = ("ArrayDataAdapter", "TFDatasetAdapter")
+
+
+def replays(iterator: Any) -> bool:
+    """Whether `fit`'s epoch iterator reads data that a peek cannot lose or reorder."""
+    adapter = getattr(iterator, "data_adapter", None)
+    return type(adapter).__name__ in _REPLAYED_ADAPTERS
+
+
+def spec_batch(iterator: Any) -> Any:
+    """The element spec of `fit`'s distributed dataset (the first replica's), or None."""
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    spec = getattr(dataset, "element_spec", None)
+    if spec is None:
+        return None
+    from tensorflow.python.distribute.values import PerReplicaSpec
+
+    return tf.nest.map_structure(
+        lambda s: s._value_specs[0] if isinstance(s, PerReplicaSpec) else s,  # noqa: SLF001
+        spec,
+        expand_composites=False,
+    )
+
+
 def is_applied(model: Any) -> bool:
     """Whether `apply(model)` replaced this model's `_maybe_symbolic_build`."""
     try:
@@ -84,12 +124,14 @@ def is_applied(model: Any) -> bool:
 
 
 def apply(model: Any, before_build: Any = None, after_build: Any = None) -> bool:
-    """Builds this model from the first replica's part of a first batch (idempotent).
+    """Builds this model from the first replica's part of a first batch, or from the data's
+    spec where a batch cannot be taken back (module docstring; idempotent).
 
-    `before_build(model)` runs before Keras' build, `after_build(model, batch)` after it with
-    the first batch as distributed over the replicas (`keras_mirror_kit.own_steps`). Not
-    applied when Keras' source no longer has the reduction (fixed upstream) or cannot be
-    read outside `TESTED_KERAS`; True when the model has the fix.
+    `before_build(model)` runs before Keras' build, `after_build(model, batch, iterator)`
+    after it with the first batch as distributed over the replicas (None where none was
+    taken) and `fit`'s epoch iterator (`keras_mirror_kit.own_steps`). Not applied when
+    Keras' source no longer has the reduction (fixed upstream) or cannot be read outside
+    `TESTED_KERAS`; True when the model has the fix.
     """
     if is_applied(model):
         return True
@@ -107,12 +149,18 @@ def apply(model: Any, before_build: Any = None, after_build: Any = None) -> bool
         if iterator is None or strategy is None:
             return original(iterator=iterator, data_batch=data_batch)
         batch = None
-        for _, _, it in iterator:  # as Keras does: the first batch of the first epoch
-            batch = next(it)
-            break
-        built = original(iterator=None, data_batch=first_local_part(batch, strategy))
+        if replays(iterator):
+            for _, _, it in iterator:  # as Keras does: the first batch of the first epoch
+                batch = next(it)
+                break
+            data_batch = first_local_part(batch, strategy)
+        else:
+            data_batch = spec_batch(iterator)
+            if data_batch is None:  # not Keras' TensorFlow epoch iterator: Keras' own way
+                return original(iterator=iterator, data_batch=None)
+        built = original(iterator=None, data_batch=data_batch)
         if after_build is not None:
-            after_build(model, batch)
+            after_build(model, batch, iterator)
         return built
 
     object.__setattr__(model, "_maybe_symbolic_build", maybe_symbolic_build)
