@@ -180,3 +180,59 @@ def test_plain_keras_still_lets_a_stale_generator_stop_the_next_epochs_enqueuer(
     owned = Batches(workers=2)
     keras_pydataset_epochs.own(owned)
     assert epochs(owned) is True  # the kit's: the new run goes on
+
+
+def _two_outputs(devices: list[str]) -> keras.Model:
+    @kmk.distributed(global_batch_size=16, devices=devices)
+    def build() -> keras.Model:
+        keras.utils.set_random_seed(5)
+        inputs = {"a": keras.Input((4,), name="a"), "b": keras.Input((3,), name="b")}
+        hidden = keras.layers.Dense(8, activation="relu")(
+            keras.layers.Concatenate()([inputs["a"], inputs["b"]])
+        )
+        outputs = {
+            "cls": keras.layers.Dense(3, activation="softmax", name="cls")(hidden),
+            "reg": keras.layers.Dense(1, name="reg")(hidden),
+        }
+        model = keras.Model(inputs, outputs)
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss={"cls": "sparse_categorical_crossentropy", "reg": "mse"},
+            loss_weights={"cls": 1.0, "reg": 0.5},
+            metrics={"cls": ["accuracy"], "reg": ["mae"]},
+        )
+        return model
+
+    return build()
+
+
+def test_several_outputs_validate_and_evaluate_per_output_as_one_device() -> None:
+    rng = np.random.default_rng(8)
+
+    def data(n: int) -> tuple[dict, dict]:
+        x = {"a": rng.normal(size=(n, 4)).astype("float32"), "b": rng.normal(size=(n, 3))}
+        y = {
+            "cls": (x["a"][:, 0] > 0).astype("int32") + (x["b"][:, 0] > 1),
+            "reg": x["a"][:, :1] * 2.0,
+        }
+        return x, y
+
+    (x, y), (vx, vy) = data(61), data(29)  # last batches of 13 (7/6) and 13 (7/6) rows
+    runs = []
+    for devices in (ONE, TWO):
+        model = _two_outputs(devices)
+        history = model.fit(
+            x, y, validation_data=(vx, vy), epochs=2, shuffle=False, verbose=0
+        ).history
+        runs.append((history, model.evaluate(vx, vy, return_dict=True, verbose=0)))
+    (one, one_eval), (two, two_eval) = runs
+    assert {"val_cls_loss", "val_reg_loss"} <= set(one), sorted(one)
+    for key in one:
+        assert np.allclose(one[key], two[key], rtol=1e-6, atol=1e-6), (key, one[key], two[key])
+    assert set(one_eval) == set(two_eval)
+    for key in one_eval:
+        assert np.isclose(one_eval[key], two_eval[key], rtol=1e-6, atol=1e-6), (
+            key,
+            one_eval[key],
+            two_eval[key],
+        )

@@ -29,7 +29,12 @@ What the kit does, on each model it builds (its class and other models are untou
   replica's part by its rows (exact for a loss that is a mean over rows; a masked or
   `"mean_with_sample_weight"` loss is weighted by rows here, as Keras does); a replica
   with no rows skips the step (its metrics are unchanged), so it never runs a layer on an
-  empty batch. A class that overrides `compute_metrics` keeps Keras' `test_step`.
+  empty batch. The per-output loss trackers of a model with several outputs
+  (`val_cls_loss`, ...) are the exception: Keras weighs each update by the static batch
+  size, None under a strategy, so every replica's part counts once whatever its rows; the
+  kit weighs each by the replica's share of the batch's rows (one scalar all-reduce per
+  step), so each step counts once, as on one device. A class that overrides
+  `compute_metrics` keeps Keras' `test_step`.
 * **Prediction** (`predict_step`): a replica with no rows predicts one row of zeros and
   returns none of it.
 
@@ -306,6 +311,34 @@ def _dense_only(data: Any) -> bool:
     return all(leaf is None or isinstance(leaf, tf.Tensor) for leaf in tf.nest.flatten(data))
 
 
+class _EvaluationShare(threading.local):
+    """The replica's share of the batch's rows in the evaluation step being traced."""
+
+    share: tf.Tensor | None = None
+
+
+_evaluation = _EvaluationShare()
+_SHARED_TRACKERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _share_output_losses(model: Any) -> None:
+    """Weighs each per-output loss tracker's unweighted update by the replica's share."""
+    for metric in getattr(getattr(model, "_compile_loss", None), "metrics", None) or []:
+        if metric in _SHARED_TRACKERS:
+            continue
+        original = metric.update_state
+
+        @functools.wraps(original)
+        def update_state(values: Any, sample_weight: Any = None, _original: Any = original) -> Any:
+            share = _evaluation.share
+            if share is not None and sample_weight is None:
+                sample_weight = share
+            return _original(values, sample_weight=sample_weight)
+
+        object.__setattr__(metric, "update_state", update_state)
+        _SHARED_TRACKERS.add(metric)
+
+
 def _test_step(model: Any, original: Any) -> Any:
     from keras.src.trainers.data_adapters import data_adapter_utils
 
@@ -314,10 +347,18 @@ def _test_step(model: Any, original: Any) -> Any:
 
     @functools.wraps(original)
     def test_step(data: Any) -> Any:
-        if _replicated() is None:
+        ctx = _replicated()
+        if ctx is None:
             return original(data)
         x = data_adapter_utils.unpack_x_y_sample_weight(data)[0]
-        return tf.cond(_rows(x) > 0, lambda: original(data), model.get_metrics_result)
+        rows = _rows(x)
+        _share_output_losses(model)
+        share = _Step(ctx, rows).share / float(ctx.num_replicas_in_sync)  # rows / total
+        previous, _evaluation.share = _evaluation.share, share
+        try:
+            return tf.cond(rows > 0, lambda: original(data), model.get_metrics_result)
+        finally:
+            _evaluation.share = previous
 
     return test_step
 
