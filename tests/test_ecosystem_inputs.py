@@ -111,7 +111,7 @@ def _close(a: tuple, b: tuple) -> float:
 
 # On 2 replicas TensorFlow's input pipeline for a Python generator or a PyDataset (Keras'
 # `from_generator(...).prefetch(AUTOTUNE)`) trains other batches in some runs (measured:
-# 4 runs of the same fit, 3 results); see docs/data.md#generators-and-pydatasets.
+# 4 runs of the same fit, 3 results); see docs/input-pipeline.md#generators-and-pydatasets.
 TWO_REPLICAS = ("Dataset.from_generator",)
 
 

@@ -7,7 +7,8 @@ their authors' step code on small networks), and a step written each of the othe
 loss is written (`LossForms`), each built in a kit factory with the same first weights
 on 1 and on 2 replicas of this process: every variable of the model, of every optimizer it
 holds and of its own seed generator, and every figure `fit` logs, agree to 1e-6, with
-Adam on 29 rows (a last batch of 5, split 3/2) and with SGD on 32 (even). A loss written
+Adam on 29 rows (a last batch of 5, split 3/2) and, for the keras-io models, with SGD on
+32 (even). A loss written
 for another replica count is refused before any step; a killed GAN resumes bit for bit;
 state no checkpoint can hold is named before any step; `doctor --model` names the own
 step (`@slow`: a child process).
@@ -78,9 +79,15 @@ def _trained(name: str, devices: list[str], optimizer: str, rows: int):
     return model, history.history
 
 
+# Adam on an uneven split for every step; SGD on an even one too for the keras-io models
+# and the guide's first (the other ways of writing a loss differ only in the loss).
+WITH_SGD = ("vae", "dcgan", "dcgan_call", "cgan", "wgan", "distiller", "guide1", "guide_gan")
+
+
 @pytest.mark.parametrize("name", EXACT)
 def test_one_and_two_replicas_train_alike_and_log_alike(name: str) -> None:
-    for optimizer, rows in (("adam", 29), ("sgd", 32)):
+    runs = (("adam", 29), ("sgd", 32)) if name in WITH_SGD else (("adam", 29),)
+    for optimizer, rows in runs:
         one, one_logs = _trained(name, ONE, optimizer, rows)
         two, two_logs = _trained(name, TWO, optimizer, rows)
         gap = _gap(_state(one), _state(two))

@@ -46,6 +46,7 @@ class StepContext:
         self.replicas = int(getattr(replica_context, "num_replicas_in_sync", 1) or 1)
         self.probe = probe
         self.seed_generator = seed_generator
+        self.metrics: Any = None  # the step's `metrics.StepMetrics`, on several replicas
         self.rows = tf.cast(rows, tf.int32)
         if self.replicas > 1:
             replica = replica_context.replica_id_in_sync_group
@@ -75,12 +76,6 @@ class StepContext:
         if self.replicas <= 1:
             return values
         return self.replica_context.all_reduce(tf.distribute.ReduceOp.SUM, values)
-
-    def weighted(self, values: Any) -> Any:
-        """The share-weighted sum over the replicas of each tensor of `values` (one call)."""
-        share = self.share
-        scaled = tf.nest.map_structure(lambda v: v * tf.cast(share, v.dtype), values)
-        return self.all_reduce(scaled)
 
 
 class _Current(threading.local):

@@ -3,17 +3,17 @@
 Under a strategy a metric's variables are per replica (Keras creates them `on_read`), each
 replica updates its copy with its part, and `fit` logs the mean over the replicas of what
 each copy gives: a loss tracker given a loss per replica averages the replicas alike,
-whatever their rows. Inside an own step (`context.current()`) on several replicas, each
-`update_state` of a metric reachable from the model:
+whatever their rows. Inside an own step (`context.current()`) on several replicas:
 
-* given one scalar value and no `sample_weight` (a loss tracker: `Mean` or `Sum`), weighs
-  it by the replica's share of the batch's rows, as one device's `update_state(loss)` counts
-  the batch once;
-* then adds to every replica's copy what the update added on all replicas together (one
-  all-reduce of the update's change to the metric's variables), so every copy holds what
-  one device's metric holds and `fit`'s mean over the replicas is that figure.
-
-A replica without rows (the last batch of an evaluation) adds nothing of its own.
+* an `update_state` of a metric reachable from the model given one scalar value and no
+  `sample_weight` (a loss tracker: `Mean` or `Sum`) weighs it by the replica's share of
+  the batch's rows, as one device's `update_state(loss)` counts the batch once; a replica
+  without rows (the last batch of an evaluation) adds nothing of its own;
+* at the end of the step (`StepMetrics.finish`, called by `own_steps.step`), what the
+  step's updates added to the metrics' variables on all replicas together is added to
+  every replica's copy: one all-reduce for every metric the step updated and every figure
+  it returns. Every copy then holds what one device's metric holds, and a figure the step
+  returns from `metric.result()` is read again from it: one device's figure.
 """
 
 from __future__ import annotations
@@ -27,67 +27,109 @@ import tensorflow as tf
 
 from keras_mirror_kit.own_steps.context import StepContext, current
 
-__all__ = ["globalize"]
+__all__ = ["StepMetrics", "globalize"]
 
 _GLOBAL: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def _scalar_loss(metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether this is a loss tracker's update: one scalar value, no `sample_weight`."""
+class StepMetrics:
+    """The metrics one replica's step updated, and the results it read, until `finish`."""
+
+    def __init__(self) -> None:
+        self._before: dict[int, tuple[Any, list[Any], list[tf.Tensor]]] = {}
+        self._results: dict[int, tuple[Any, int]] = {}  # id(result leaf) -> (metric, index)
+
+    def touch(self, metric: Any) -> list[tf.Tensor]:
+        """The metric's variables before the step's first update of it (read now, once)."""
+        if id(metric) not in self._before:
+            variables = [v.value for v in metric.variables]
+            self._before[id(metric)] = (metric, variables, [tf.identity(v) for v in variables])
+        return self._before[id(metric)][2]
+
+    def read(self, metric: Any, result: Any) -> None:
+        """Notes the leaves of a `metric.result()` read in the step."""
+        for index, leaf in enumerate(tf.nest.flatten(result)):
+            self._results[id(leaf)] = (metric, index)
+
+    def finish(self, step: StepContext, figures: list[tf.Tensor]) -> tuple[list[Any], Any]:
+        """Adds every replica's changes to every copy (one all-reduce with the share-weighted
+        `figures`); returns the summed figures and a function giving a result leaf read
+        again after that (or None for a leaf no result gave)."""
+        touched = list(self._before.values())
+        changes = [
+            tf.identity(v) - b
+            for _, variables, before in touched
+            for v, b in zip(variables, before)
+        ]
+        share = step.share
+        weighted = [f * tf.cast(share, f.dtype) for f in figures]
+        summed = step.all_reduce([*changes, *weighted]) if changes or weighted else []
+        assigns = []
+        position = 0
+        for _, variables, before in touched:
+            for variable, base in zip(variables, before, strict=True):
+                assigns.append(variable.assign(base + summed[position]))
+                position += 1
+
+        def again(leaf: Any) -> Any:
+            found = self._results.get(id(leaf))
+            if found is None:
+                return None
+            metric, index = found
+            with tf.control_dependencies(assigns):
+                return tf.nest.flatten(metric.result())[index]
+
+        return list(summed[position:]), again
+
+
+def _scalar_loss(metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The value of a loss tracker's update (one scalar, no `sample_weight`), else None."""
     if not isinstance(metric, (keras.metrics.Mean, keras.metrics.Sum)):
-        return False
-    if isinstance(metric, keras.metrics.MeanMetricWrapper):
-        return False
-    values = kwargs.get("values", args[0] if args else None)
-    if values is None or len(args) + len(kwargs) != 1:
-        return False
-    return getattr(tf.convert_to_tensor(values), "shape", None) is not None and not (
-        tf.convert_to_tensor(values).shape.rank
-    )
-
-
-def _weighted_update(metric: Any, original: Any, step: StepContext, value: Any) -> None:
+        return None
+    if isinstance(metric, keras.metrics.MeanMetricWrapper) or len(args) + len(kwargs) != 1:
+        return None
+    value = kwargs.get("values", args[0] if args else None)
+    if value is None:
+        return None
     value = tf.convert_to_tensor(value)
-    share = tf.cast(step.share, value.dtype)
-    if isinstance(metric, keras.metrics.Sum):
-        original(value * share)
-    else:
-        original(value, sample_weight=share)
+    return value if value.shape.rank == 0 else None
 
 
 def globalize(metric: Any) -> None:
-    """Makes `metric.update_state` add one device's update on every replica (once)."""
+    """Makes `metric` hold one device's figures inside own steps (module docstring; once)."""
     if metric in _GLOBAL:
         return
-    original = metric.update_state
+    update_original, result_original = metric.update_state, metric.result
 
-    @functools.wraps(original)
+    @functools.wraps(update_original)
     def update_state(*args: Any, **kwargs: Any) -> Any:
         step = current()
-        if step is None or step.replicas <= 1:
-            return original(*args, **kwargs)
-        variables = [v.value for v in metric.variables]
-        before = [tf.identity(v) for v in variables]
-        with tf.control_dependencies(before):
-            if _scalar_loss(metric, args, kwargs):
-                value = kwargs.get("values", args[0] if args else None)
+        if step is None or step.replicas <= 1 or step.metrics is None:
+            return update_original(*args, **kwargs)
+        before = step.metrics.touch(metric)
+        value = _scalar_loss(metric, args, kwargs)
 
-                def update() -> Any:
-                    _weighted_update(metric, original, step, value)
-                    return tf.constant(0)
+        def update() -> Any:
+            if value is None:
+                update_original(*args, **kwargs)
+            elif isinstance(metric, keras.metrics.Sum):
+                update_original(value * tf.cast(step.share, value.dtype))
             else:
+                update_original(value, sample_weight=tf.cast(step.share, value.dtype))
+            return tf.constant(0)
 
-                def update() -> Any:
-                    original(*args, **kwargs)
-                    return tf.constant(0)
-
-            done = tf.cond(step.rows > 0, update, lambda: tf.constant(0))
-        with tf.control_dependencies([done]):
-            added = [tf.identity(v) - b for v, b in zip(variables, before, strict=True)]
-        every = step.all_reduce(added)
-        for variable, base, change in zip(variables, before, every, strict=True):
-            variable.assign(base + change)
+        with tf.control_dependencies(before):
+            tf.cond(step.rows > 0, update, lambda: tf.constant(0))
         return None
 
+    @functools.wraps(result_original)
+    def result() -> Any:
+        found = result_original()
+        step = current()
+        if step is not None and step.replicas > 1 and step.metrics is not None:
+            step.metrics.read(metric, found)
+        return found
+
     object.__setattr__(metric, "update_state", update_state)
+    object.__setattr__(metric, "result", result)
     _GLOBAL.add(metric)

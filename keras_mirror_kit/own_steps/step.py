@@ -5,9 +5,9 @@ step's `StepContext` from the replica's part of the data, refuses a training par
 rows, runs the model's step with one device's losses
 (`workarounds.keras_own_step_losses`) in that context (read by the optimizers, metrics
 and random draws of this package), and gives `fit` one device's figures for what the
-step returns: each scalar float it returns becomes the share-weighted sum over the
-replicas (identical on every replica; a metric's result, already one device's figure on
-every replica, stays as it is).
+step returns: the metrics it updated are made whole on every replica, a metric result it
+returns is read again from them, and each other scalar float it returns becomes the
+share-weighted sum over the replicas (identical on every replica): one all-reduce.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_mirror_kit.own_steps.context import StepContext, rows_of, stepping
+from keras_mirror_kit.own_steps.metrics import StepMetrics
 from keras_mirror_kit.workarounds.keras_own_step_losses import one_device_losses
 
 __all__ = ["EMPTY_PART", "wrap"]
@@ -31,22 +32,24 @@ EMPTY_PART = (
 
 
 def _one_device_outputs(step: StepContext, outputs: Any) -> Any:
-    """`outputs` with each scalar float replaced by its share-weighted sum over replicas."""
+    """`outputs` as one device's: the metrics the step updated made whole on every replica
+    (`metrics.StepMetrics`), each metric result it returns read again from them, and each
+    other scalar float it returns replaced by its share-weighted sum over the replicas; one
+    all-reduce for all of it."""
     if step.replicas <= 1:
         return outputs
     leaves = tf.nest.flatten(outputs)
-    chosen = [
+    scalars = [
         i
         for i, leaf in enumerate(leaves)
         if isinstance(leaf, tf.Tensor) and leaf.dtype.is_floating and leaf.shape.rank == 0
     ]
-    if not chosen:
-        return outputs
     present = step.rows > 0
-    values = [tf.where(present, leaves[i], tf.zeros_like(leaves[i])) for i in chosen]
-    summed = step.weighted(values)
-    for i, value in zip(chosen, summed, strict=True):
-        leaves[i] = value
+    figures = [tf.where(present, leaves[i], tf.zeros_like(leaves[i])) for i in scalars]
+    summed, again = step.metrics.finish(step, figures)
+    for i, value in zip(scalars, summed, strict=True):
+        read = again(leaves[i])
+        leaves[i] = value if read is None else read
     return tf.nest.pack_sequence_as(outputs, leaves)
 
 
@@ -66,6 +69,7 @@ def wrap(original: Any, *, training: bool, probe_of: Any, seed_generator: Any) -
         x = data_adapter_utils.unpack_x_y_sample_weight(data)[0]
         rows = rows_of(x if x is not None else data)
         step = StepContext(rows, replica_context, probe_of(), seed_generator)
+        step.metrics = StepMetrics() if step.replicas > 1 else None
         if training and step.replicas > 1:
             check = tf.debugging.assert_positive(step.rows, message=EMPTY_PART)
             data = tf.nest.map_structure(
