@@ -31,6 +31,7 @@ import keras_mirror_kit as kmk
 from keras_mirror_kit.checkpoint.state import state_variables
 from keras_mirror_kit.checkpoint.store import CheckpointError
 from keras_mirror_kit.model_parts import metrics_of, optimizers_of, untracked_variables
+from keras_mirror_kit.replica_check.causes import model_causes
 from tests import forkserver
 from tests import own_step_models as models
 from tests.ckpt_helpers import StopAt
@@ -218,6 +219,7 @@ def test_state_no_checkpoint_can_hold_is_named_before_any_step(
     model = factory()
     if cls is CountingModel:
         assert [v.name for v in untracked_variables(model)] == ["steps_counted:0"]
+        assert "state_outside_checkpoint" in [c.code for c in model_causes(model, 2)]
     before = model.get_weights()
     with pytest.raises(CheckpointError, match=re.escape(named)) as raised:
         model.fit(

@@ -274,6 +274,26 @@ def _own_train_step(model: Any, replicas: int) -> list[ReplicaCause]:
     ]
 
 
+def _untracked(model: Any) -> list[ReplicaCause]:
+    from keras_mirror_kit.model_parts import untracked_variables
+
+    names = [str(getattr(v, "name", "?")) for v in untracked_variables(model)]
+    if not names:
+        return []
+    return [
+        ReplicaCause(
+            "state_outside_checkpoint",
+            f"The model holds {len(names)} tf.Variable(s) Keras does not track "
+            f"({_names(names)}): they are in no model.variables, so no checkpoint holds "
+            "them (SyncedCheckpoint refuses the model), and a replica updates its own copy "
+            "unless the variable was made with an aggregation.",
+            "Create them with keras.Variable(...) as attributes of the model or a layer "
+            "(tracked, mirrored and saved), with aggregation='sum' or 'mean' where every "
+            "replica updates them.",
+        )
+    ]
+
+
 def trained_causes(model: Any) -> list[ReplicaCause]:
     """The causes a first `fit` of the model revealed: its own step's stateful random ops."""
     import sys
@@ -302,6 +322,7 @@ def model_causes(model: Any, replicas: int) -> list[ReplicaCause]:
     optimizer = _inner_optimizer(model)
     return [
         *_own_train_step(model, replicas),
+        *_untracked(model),
         *_batch_norm(model),
         *_random_layers(model),
         *_clipping(optimizer),
