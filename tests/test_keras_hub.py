@@ -4,7 +4,8 @@ KerasHub's tasks override `fit(x, y, batch_size, sample_weight, validation_data,
 validation_split, **kwargs)`: `callbacks`, `epochs` and `shuffle` arrive in `**kwargs`.
 A tiny `BertTextClassifier` and a tiny `GPT2CausalLM`, each from its constructors (a
 tokenizer from an in-memory vocabulary: nothing is downloaded), on 2 logical CPUs, train
-on NumPy string arrays with `SyncedCheckpoint` (every 2 steps), `EarlyStopping`, a
+on lists of texts and labels (the classifier) or a NumPy array of texts (the causal LM),
+given positionally, with `SyncedCheckpoint` (every 2 steps), `EarlyStopping`, a
 `CSVLogger` listed before `ThroughputMonitor`; a run killed mid-epoch resumes exactly
 (mid-epoch, `EarlyStopping`'s count restored: it stops where the uninterrupted run did),
 and the trained task saves to `.keras` and loads. Each task is built and traced once and
@@ -110,10 +111,11 @@ TASKS = {"bert_classifier": bert_classifier, "gpt2_causal_lm": gpt2_causal_lm}
 
 
 def fit_args(task_name: str) -> tuple[Any, ...]:
-    """`fit`'s positional data: strings and labels, or strings alone (a causal LM)."""
+    """`fit`'s positional data: Python lists of texts and labels, as KerasHub's guides give
+    them (the classifier), or a NumPy array of texts alone (the causal LM)."""
     x = texts()
     if task_name == "bert_classifier":
-        return x, np.array([int("good" in s) for s in x])
+        return x.tolist(), [int("good" in s) for s in x]
     return (x,)
 
 
