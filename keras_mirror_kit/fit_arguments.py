@@ -89,6 +89,7 @@ class KerasCall:
         return cls(method, signature, tuple(args), dict(kwargs), positional_names)
 
     def _takes_keyword(self, name: str) -> bool:
+        """Whether the override takes `name` by keyword (by name or in its `**kwargs`)."""
         for parameter in self._signature.parameters.values():
             if parameter.kind is inspect.Parameter.VAR_KEYWORD:
                 return True
