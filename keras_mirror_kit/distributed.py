@@ -326,7 +326,8 @@ class DistributedFactory(Generic[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         options = self._config._options  # noqa: SLF001
         dist = self.distribution
-        with activate(dist), policy_scope(options.mixed_precision), factory_running():
+        strategy = f"{getattr(self._factory, '__name__', 'build_model')}.distribution.strategy"
+        with activate(dist, strategy), policy_scope(options.mixed_precision), factory_running():
             model = self._factory(*args, **kwargs)
         prepare_model(model, dist, options, name=getattr(self._factory, "__name__", "factory"))
         return model

@@ -13,6 +13,7 @@ model the kit built.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -287,15 +288,37 @@ def _stack() -> list[Distribution]:
     return _local.stack
 
 
+def _scope_error(message: str) -> RuntimeError:
+    """A `RuntimeError`; KerasTuner's `FatalRuntimeError` (one) once KerasTuner is imported.
+
+    KerasTuner enters its `distribution_strategy`'s scope around the build function, and
+    marks a trial whose build raised an ordinary error FAILED and goes on with the next:
+    every trial would fail the same way, and `search` would return with nothing trained.
+    Its fatal error ends `search` with this message instead.
+    """
+    tuner_errors = getattr(sys.modules.get("keras_tuner"), "errors", None)
+    fatal = getattr(tuner_errors, "FatalRuntimeError", None)
+    if isinstance(fatal, type) and issubclass(fatal, RuntimeError):
+        return fatal(message)
+    return RuntimeError(message)
+
+
 @contextmanager
-def activate(distribution: Distribution) -> Iterator[Distribution]:
-    """Makes `distribution` the one `current()` returns, inside its strategy's scope."""
+def activate(
+    distribution: Distribution, reached_as: str = "build_model.distribution.strategy"
+) -> Iterator[Distribution]:
+    """Makes `distribution` the one `current()` returns, inside its strategy's scope
+    (`reached_as`: how the user's code names its strategy, for the error below)."""
     other = distribution.engine.active_elsewhere()
     if other is not None:
-        raise RuntimeError(
+        raise _scope_error(
             "A distributed() factory or block was entered inside the scope of another "
             "data-parallel strategy, and the backend cannot mix strategies. Build each "
-            "model under one distributed() at a time. "
+            "model under one distributed() at a time: the kit distributes the model "
+            "itself, so call the factory outside other strategies' scopes. With "
+            "KerasTuner, pass the kit's own strategy, "
+            f"`distribution_strategy={reached_as}`, to the tuner or "
+            "leave `distribution_strategy` out. "
             f"Received: active={other!r}, new={distribution.strategy!r}"
         )
     stack = _stack()

@@ -27,6 +27,8 @@ from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import keras
 
+from keras_mirror_kit.fit_arguments import KerasCall
+
 __all__ = [
     "FitHooks",
     "dispatch",
@@ -191,21 +193,25 @@ def install() -> None:
         if _installed:
             return
         original = keras.Model.fit
-        signature = inspect.signature(original)
+        parameters = list(inspect.signature(original).parameters.values())
+        signature = inspect.Signature(parameters[1:])  # after `self`
 
         @functools.wraps(original)
         def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
             if _dispatched.get(None) is self:  # the kit's wrapper of this model dispatched it
                 _dispatched.set(None)  # a nested fit() of the same model is dispatched again
                 return original(self, *args, **kwargs)
-            bound = signature.bind_partial(self, *args, **kwargs)
-            given = bound.arguments
+            call = KerasCall.read("fit", signature, args, kwargs)
+            if call is None:  # does not bind: Keras' own error
+                return original(self, *args, **kwargs)
+            given = call.arguments
 
             def run(callbacks: Any) -> Any:
                 _dispatched.set(None)  # Keras' own fit() next: a nested fit() is dispatched
                 if callbacks is not None or "callbacks" in given:
                     given["callbacks"] = callbacks
-                return original(*bound.args, **bound.kwargs)
+                call_args, call_kwargs = call.call()
+                return original(self, *call_args, **call_kwargs)
 
             return dispatch(self, given.get("callbacks"), given.get("x"), run)
 

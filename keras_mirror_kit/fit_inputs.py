@@ -127,10 +127,13 @@ def is_array_data(x: Any) -> bool:
 
     NumPy arrays, tensors, and anything else Keras' array adapter takes (objects with
     `__array__` such as pandas frames, sparse tensors and matrices), or a structure of them;
+    and a list of strings (one text input: KerasHub's tasks batch it with `batch_size`);
     not datasets, generators, `PyDataset`s or None.
     """
     if x is None or is_dataset(x) or is_distributed_dataset(x):
         return False
+    if _string_list(x):
+        return True
     can_convert = _keras_can_convert_arrays()
     if can_convert is not None:
         return bool(can_convert((x,)))
@@ -141,7 +144,23 @@ def is_array_data(x: Any) -> bool:
     )
 
 
+def _string_list(x: Any) -> bool:
+    """A list of strings: one text input, as KerasHub's tasks and `tf.data` read a list
+    (Keras' own adapter reads a list as several inputs, and takes none of strings)."""
+    return isinstance(x, list) and bool(x) and all(isinstance(s, (str, bytes)) for s in x)
+
+
+def _scalar_list_as_array(data: Any) -> Any:
+    """A list of strings or numbers as one NumPy array (as `tf.data` reads it); else `data`."""
+    scalars = (str, bytes, int, float, np.generic)
+    if isinstance(data, list) and data and all(isinstance(s, scalars) for s in data):
+        return np.asarray(data)
+    return data
+
+
 def _num_samples(x: Any) -> int:
+    if _string_list(x):
+        return len(x)
     first = keras.tree.flatten(x)[0]
     shape = getattr(first, "shape", None)
     return int(shape[0]) if shape is not None else len(first)
@@ -493,13 +512,14 @@ def arrays_as_dataset(given: dict[str, Any], dist: Distribution) -> bool:
     samples every epoch, the last partial batch kept, shuffled by a permutation keyed on
     (seed, epoch) that a resumed run computes again (Keras draws a new one in each `fit`);
     the seed comes from Python's `random` (`keras.utils.set_random_seed` seeds it), and
-    float64 arrays become Keras' floatx, as Keras' array adapter does. Left as given:
+    float64 arrays become Keras' floatx, as Keras' array adapter does; a list of strings or
+    numbers is one array, as `tf.data` (and KerasHub's tasks) read it. Left as given:
     anything but one dense array or a dict of them for `x` and `y` (lists of inputs,
     tables, sparse or ragged tensors), `sample_weight`, `shuffle="batch"`,
     `steps_per_epoch`, a split that leaves either part empty (Keras says so), several
     workers (the workers would need one seed). Returns whether it did.
     """
-    x, y = given.get("x"), given.get("y")
+    x, y = _scalar_list_as_array(given.get("x")), _scalar_list_as_array(given.get("y"))
     shuffle = given.get("shuffle", True)
     if (
         not _dense_arrays(x)

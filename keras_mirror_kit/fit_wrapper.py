@@ -38,6 +38,7 @@ import keras
 from keras_mirror_kit import backends
 from keras_mirror_kit.data.info import dataset_info
 from keras_mirror_kit.distribution import Distribution
+from keras_mirror_kit.fit_arguments import KerasCall
 from keras_mirror_kit.fit_hooks import dispatch, listed, order_callbacks
 from keras_mirror_kit.fit_inputs import (
     BatchPlan,
@@ -135,8 +136,10 @@ def install(model: Any, dist: Distribution) -> None:
             _data: tuple[str, ...] = data_args,
             **kwargs: Any,
         ) -> Any:
-            bound = _signature.bind_partial(*args, **kwargs)
-            given = bound.arguments
+            call = KerasCall.read(_method, _signature, args, kwargs)
+            if call is None:  # does not bind: the method's own error
+                return _original(*args, **kwargs)
+            given = call.arguments  # by Keras' names, whatever the override's signature
             evaluated = _EVALUATED.get(_method)
             if evaluated in given and not backend.SHARDS_EACH_BATCH:  # JAX: as it was given
                 given[evaluated] = _whole(given[evaluated])
@@ -153,7 +156,8 @@ def install(model: Any, dist: Distribution) -> None:
                 check_training_split(given, dist, backend.trains_exactly(model))
             if _method != "fit":
                 with backend.call(model, dist.engine, _method, given):  # after the checks
-                    return _original(*bound.args, **bound.kwargs)
+                    call_args, call_kwargs = call.call()
+                    return _original(*call_args, **call_kwargs)
             if not backend.SHARDS_EACH_BATCH and _resumes_mid_epoch(given.get("callbacks")):
                 arrays_as_dataset(given, dist)  # arrays: the same batches, resumable
             if "shuffle" not in given and _orders_itself(given.get("x")):
@@ -171,11 +175,12 @@ def install(model: Any, dist: Distribution) -> None:
                 callbacks: Any,
                 _original: Any = _original,
                 _method: str = _method,
-                bound: inspect.BoundArguments = bound,
+                call: KerasCall = call,
             ) -> Any:
-                bound.arguments["callbacks"] = callbacks
-                with backend.call(model, dist.engine, _method, bound.arguments):
-                    return _original(*bound.args, **bound.kwargs)
+                call.arguments["callbacks"] = callbacks
+                with backend.call(model, dist.engine, _method, call.arguments):
+                    call_args, call_kwargs = call.call()
+                    return _original(*call_args, **call_kwargs)
 
             previous, record.batch_plan = record.batch_plan, plan
             try:

@@ -149,7 +149,7 @@ def _compile_inside_scope(model: keras.Model, dist: Distribution, options: Model
 
     @functools.wraps(original)
     def compile_in_scope(*args: Any, **kwargs: Any) -> None:
-        with activate(dist):
+        with activate(dist, "kmk.distribution_of(model).strategy"):
             original(*args, **kwargs)
         name = f"compile() of {model.name!r}"
         check_model(model, dist, factory_name=name)

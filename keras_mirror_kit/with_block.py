@@ -97,7 +97,7 @@ def _compiled_models_prepared(dist: Distribution, options: ModelOptions) -> Iter
 def block(dist: Distribution, options: ModelOptions) -> Iterator[Distribution]:
     """The body of `with kmk.distributed(...)`: strategy scope, dtype policy, compile hook."""
     with ExitStack() as stack:  # a context that fails to enter closes those before it
-        stack.enter_context(activate(dist))
+        stack.enter_context(activate(dist, "dist.strategy"))  # `with ... as dist`
         stack.enter_context(policy_scope(options.mixed_precision))
         for context in backends.current().block_contexts():
             stack.enter_context(context)

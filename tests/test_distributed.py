@@ -72,9 +72,10 @@ def test_nesting_the_same_distribution_works_and_another_is_a_clear_error():
         with outer as d_again:
             assert d_again is d_outer and kmk.current() is d_outer
         assert kmk.current() is d_outer
-        with pytest.raises(RuntimeError, match="cannot mix strategies"):
+        with pytest.raises(RuntimeError, match="cannot mix strategies") as raised:
             with other:
                 pass
+        assert "`distribution_strategy=dist.strategy`" in str(raised.value)  # KerasTuner's
         assert kmk.current() is d_outer
 
 

@@ -19,6 +19,7 @@ import pytest
 
 import keras_mirror_kit as kmk
 from keras_mirror_kit import fit_hooks
+from tests.ckpt_helpers import CountBatches
 
 
 @pytest.fixture(autouse=True)
@@ -228,3 +229,60 @@ def test_a_refusing_check_still_ends_the_hooks_of_the_fit():
     with pytest.raises(ValueError, match="refused before any step"):
         plain_model().fit(x, y, epochs=1, verbose=0, callbacks=[records, Refuses()])
     assert [e[0] for e in records.events] == ["check", "exception", "end"]
+
+
+# -- overrides of fit with a signature of their own (KerasHub's tasks, wrappers) -----------
+
+
+class KwargsFit(keras.Sequential):
+    """KerasHub's `PipelineModel.fit`: callbacks, epochs and shuffle come in `**kwargs`."""
+
+    def fit(self, x=None, y=None, batch_size=None, sample_weight=None, **kwargs):
+        return super().fit(x=x, y=y, batch_size=batch_size, sample_weight=sample_weight, **kwargs)
+
+
+class ArgsFit(keras.Sequential):
+    """A wrapper that passes everything through."""
+
+    def fit(self, *args, **kwargs):
+        return super().fit(*args, **kwargs)
+
+
+def kit_built(cls: type[keras.Sequential]) -> keras.Model:
+    @kmk.distributed(devices=["/cpu:0"], per_replica_batch_size=8)
+    def build() -> keras.Model:
+        model = cls([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    return build()
+
+
+@pytest.mark.parametrize("cls", [KwargsFit, ArgsFit], ids=["kwargs", "args"])
+def test_a_kit_built_models_own_fit_signature_still_hands_over_its_callbacks(cls):
+    x, y = arrays()  # 16 samples: 2 steps at the kit's global batch of 8, 1 at Keras' 32
+    records, logger, counter = Records(), SeesLogs(), CountBatches()
+    monitor = kmk.ThroughputMonitor(warmup_steps=0)
+    callbacks = [records, logger, counter, monitor]
+    if cls is ArgsFit:  # x, y, batch_size, epochs, verbose, callbacks: all positional
+        kit_built(cls).fit(x, y, None, 1, 0, callbacks)
+    else:
+        kit_built(cls).fit(x, y, epochs=1, verbose=0, callbacks=callbacks)
+    assert [e[0] for e in records.events] == [
+        "check",
+        "arrange",
+        "train begin",
+        "added: train end",
+        "end",
+    ]
+    assert "samples_per_sec" in logger.keys
+    assert counter.batches == 2
+
+
+def test_a_plain_models_own_fit_signature_hands_over_its_callbacks_too():
+    x, y = arrays()
+    records = Records()
+    model = ArgsFit([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, 8, 1, 0, [records])
+    assert [e[0] for e in records.events].count("arrange") == 1

@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("schedules",),
     ("throughput",),
     ("fit_inputs",),
+    ("fit_arguments",),
     ("model_record", "fit_hooks"),
     ("fit_wrapper",),
     ("model_setup",),

@@ -293,3 +293,17 @@ def test_arrays_become_a_kit_dataset_of_keras_split_in_floatx():
     np.testing.assert_array_equal(x_val, x[72:].astype("float32"))  # the last quarter
     assert cursor_of(given["x"]).num_batches == 9 and not cursor_of(given["x"]).seed_given
     assert given["x"].element_spec.dtype == tf.float32 and given["validation_batch_size"] == 8
+
+
+def test_a_list_of_strings_is_one_text_input_as_keras_hub_reads_it():
+    from keras_mirror_kit import cursor_of
+    from keras_mirror_kit.fit_inputs import arrays_as_dataset, is_array_data
+
+    texts = [f"sample {i}" for i in range(40)]
+    assert is_array_data(texts) and is_array_data([b"a", b"b"])
+    given, dist = _given(x=texts, y=[i % 2 for i in range(40)], validation_split=0.25)
+    assert arrays_as_dataset(given, dist)
+    assert given["validation_data"][0].tolist() == texts[30:]  # Keras' cut, in order
+    assert cursor_of(given["x"]).num_batches == 2  # 30 samples at the global batch of 16
+    x_spec, y_spec = given["x"].element_spec
+    assert x_spec.dtype == tf.string and y_spec.dtype.is_integer
