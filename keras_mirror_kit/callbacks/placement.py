@@ -156,14 +156,15 @@ def check_start_epoch(
     now = model._initial_epoch  # noqa: SLF001
     if mark is not None and now is not mark:
         raise ValueError(
-            f"A callback listed after SyncedCheckpoint set the epoch fit() starts at (to "
-            f"{now}) after SyncedCheckpoint restored {str(directory)!r} (epoch {int(mark)}): "
-            "it restored a training state of its own over the checkpoint's, so batches "
-            "would be lost or trained twice. List it before SyncedCheckpoint (the "
-            "checkpoint's state then wins, as for Keras' BackupAndRestore, which is moved "
-            "there), or keep only one of the two (SyncedCheckpoint also saves the "
-            "optimizer, the other callbacks' states and the position within the epoch). "
-            f"Received: callbacks after SyncedCheckpoint with an on_train_begin: {later}"
+            "A callback listed after SyncedCheckpoint set the epoch fit() starts at "
+            f"(model._initial_epoch) again after SyncedCheckpoint restored {str(directory)!r} "
+            f"at epoch {int(mark)}: it restored a training state of its own over the "
+            "checkpoint's, so batches would be lost or trained twice. List it before "
+            "SyncedCheckpoint (the checkpoint's state then wins, as for Keras' "
+            "BackupAndRestore, which is moved there), or keep only one of the two "
+            "(SyncedCheckpoint also saves the optimizer, the other callbacks' states and the "
+            f"position within the epoch). Received: model._initial_epoch={now}, callbacks "
+            f"after SyncedCheckpoint with an on_train_begin: {later}"
         )
 
 
