@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> float:
         return model
 
     dist = build_model.distribution
-    steps_per_epoch = len(x_train) // dist.global_batch_size
+    steps_per_epoch = -(-len(x_train) // dist.global_batch_size)  # the last partial one too
     model = build_model(steps_per_epoch)
     train_ds = kmk.make_dataset(
         x_train, y_train, dist.global_batch_size, seed=args.seed, preprocess=kmk.rescale()

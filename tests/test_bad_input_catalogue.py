@@ -445,7 +445,7 @@ CASES = [
     ),
     Case(
         "make_dataset batch larger than the data",
-        lambda: kmk.make_dataset(X, Y, 128),
+        lambda: kmk.make_dataset(X, Y, 128, drop_remainder=True),
         ValueError,
         "larger than the data",
     ),

@@ -39,14 +39,21 @@ def test_keeps_stored_dtype_and_preprocesses_per_batch():
     np.testing.assert_array_equal(first_y.numpy(), y[:10])
 
 
-def test_training_drops_the_last_partial_batch_and_evaluation_keeps_it():
+def test_every_epoch_holds_every_sample_unless_the_remainder_is_dropped():
+    """As Keras' fit(x, y) and loaders: shuffled or not, the last partial batch is kept."""
     x, y = arrays()
     train = kmk.make_dataset(x, y, 16, seed=0)
-    assert int(train.cardinality()) == 3
-    assert [len(b) for b in ids(train)] == [16, 16, 16]
+    assert int(train.cardinality()) == 4
+    for _ in range(2):  # two epochs, two permutations, each of every sample
+        epoch = ids(train)
+        assert [len(b) for b in epoch] == [16, 16, 16, 2]
+        assert sorted(sum(epoch, [])) == list(range(N))
     evaluation = kmk.make_dataset(x, y, 16, shuffle=False)
     assert int(evaluation.cardinality()) == 4
     assert sum(ids(evaluation), []) == list(range(N))
+    dropped = kmk.make_dataset(x, y, 16, seed=0, drop_remainder=True)
+    assert int(dropped.cardinality()) == 3
+    assert [len(b) for b in ids(dropped)] == [16, 16, 16]
 
 
 def test_each_epoch_is_a_permutation_keyed_on_seed_and_epoch():
@@ -97,7 +104,8 @@ def test_features_only_and_structured_features():
         ({"batch_size": None}, TypeError, "batch_size=None"),
         ({"batch_size": 0}, ValueError, "batch_size=0"),
         ({"batch_size": 3.0}, TypeError, "batch_size=3.0"),
-        ({"batch_size": 64}, ValueError, "larger than the data"),
+        ({"batch_size": 64, "drop_remainder": True}, ValueError, "larger than the data"),
+        ({"batch_size": 16, "drop_remainder": None}, TypeError, "drop_remainder=None"),
         ({"batch_size": 16, "preprocess": "float"}, TypeError, "preprocess='float'"),
         ({"batch_size": 16, "num_replicas": 0}, ValueError, "num_replicas=0"),
     ],

@@ -80,12 +80,19 @@ def test_a_validation_subset_keeps_every_sample_whatever_shuffle_says(images):
     common = dict(image_size=SIZE, batch_size=5, seed=7, verbose=False, validation_split=0.5)
     keras_ds = keras.utils.image_dataset_from_directory(images, subset="validation", **common)
     kit_ds = kmk.image_dataset_from_directory(images, subset="validation", **common)
-    assert len(keras_ds.file_paths) % 5  # a partial last batch, which a training set drops
+    assert len(keras_ds.file_paths) % 5  # a partial last batch
     assert _sorted_samples(kit_ds) == _sorted_samples(keras_ds)
-    # Training keeps the documented default: its partial last batch is dropped.
+    # Training keeps every sample too by default, as Keras' does; drop_remainder=True drops
+    # its partial last batch.
     train = kmk.image_dataset_from_directory(images, subset="training", **common)
     assert len(train.file_paths) % 5
-    assert sum(len(y) for _, y in train) == len(train.file_paths) // 5 * 5
+    assert sum(len(y) for _, y in train) == len(train.file_paths)
+    keras_train = keras.utils.image_dataset_from_directory(images, subset="training", **common)
+    assert _sorted_samples(train) == _sorted_samples(keras_train)
+    dropped = kmk.image_dataset_from_directory(
+        images, subset="training", drop_remainder=True, **common
+    )
+    assert sum(len(y) for _, y in dropped) == len(train.file_paths) // 5 * 5
 
 
 def test_augment_changes_the_training_subset_only(images):

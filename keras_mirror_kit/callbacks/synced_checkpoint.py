@@ -7,6 +7,7 @@ written, verified, resumed and restored, lives in `keras_mirror_kit.checkpoint`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -18,7 +19,15 @@ import numpy as np
 
 from keras_mirror_kit import backends, fit_hooks
 from keras_mirror_kit.callbacks.keras_loop import steps_done
-from keras_mirror_kit.callbacks.placement import LoopHook, place_after_stateful
+from keras_mirror_kit.callbacks.placement import (
+    EpochMark,
+    LoopHook,
+    check_start_epoch,
+    mark_start_epoch,
+    place_after_stateful,
+    restoring_callbacks,
+    train_beginners_after,
+)
 from keras_mirror_kit.checkpoint.best import BestKeeper, metric_direction
 from keras_mirror_kit.checkpoint.callback_state import (
     apply_callback_states,
@@ -128,7 +137,11 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     To see the other callbacks, `SyncedCheckpoint` is handed the list of `fit()`'s
     callbacks (`keras_mirror_kit.fit_hooks`, for any model); its epoch-end save then runs
     after the stateful callbacks (it moves itself after the last of them), and a stop
-    request is cleared only when it is its own.
+    request is cleared only when it is its own. Keras' `BackupAndRestore` listed after it
+    is moved before it, so that the checkpoint's newer state wins over the backup's in
+    either order; another callback listed after it that sets the start epoch over a
+    restored state (`model._initial_epoch`, as `BackupAndRestore` does) is refused with a
+    `ValueError` before any step.
 
     Args:
         directory: Directory for the checkpoints; created if missing.
@@ -177,7 +190,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         ValueError: On a bad `directory` (empty), `save_freq`, `keep`, `keep_best`,
             `monitor` (empty), `mode`, `verify_atol` or `dataset`; at a save with
             `mode="auto"`, for a `monitor` whose direction is unknown; after the first
-            batch, when `fit` iterates another dataset than `dataset=`.
+            batch, when `fit` iterates another dataset than `dataset=`; before any step,
+            when a callback listed after it restored a state over the checkpoint's.
         CheckpointError: At `on_train_begin`, before any training step, for an unusable
             directory or a checkpoint of another model or optimizer (or a data mismatch
             with `strict=True`), or a model holding state no checkpoint can hold (a
@@ -258,7 +272,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._cursor: DatasetCursor | None = cursor  # the one this fit() resumes by
         # What arrange_callbacks placed for the fit() under way: stateful callbacks, hooks.
         self._arranged: tuple[list[tuple[str, Any]], LoopHook, LoopHook] | None = None
+        self._restorers: list[str] = []  # the BackupAndRestore callbacks of that fit()
+        self._later: list[str] = []  # the callbacks after this one with an on_train_begin
         self._start_state: StartState | None = None  # until this fit()'s first checkpoint
+        self._start_epoch: int | None = None  # the epoch that start state begins
         self._reset_run_state()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -282,16 +299,21 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._last_save: tuple[int, int, bool, bool] | None = None  # epoch, step, end, stop
         self._tracked: list[tuple[str, Any]] = []
         self._pending_states: tuple[Mapping[str, Any], Mapping[str, np.ndarray]] | None = None
+        self._mark: EpochMark | None = None  # the start epoch set with a restored state
         self._head: LoopHook | None = None
         self._tail: LoopHook | None = None
         self.last_restored: LoadedCheckpoint | None = None
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._or_release(self._begin_training)
+
+    def _or_release(self, step: Any) -> None:
+        """Runs `step`; if it raises (before any step), the directory is free again."""
         try:
-            self._begin_training()
+            step()
         except BaseException:
             self._staging.release()
-            self._lock.release()  # refused before any step: the directory is free again
+            self._lock.release()
             raise
 
     def on_fit_exception(self, exception: BaseException) -> None:
@@ -315,13 +337,13 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     def _begin_training(self) -> None:
         # A write an earlier fit() left running (it raised) lands before anything is read.
         self.wait_for_pending_save()
-        # A fit() interrupted by an exception never reached on_train_end: clear its epoch.
-        self.model._initial_epoch = None  # noqa: SLF001
         self._reset_run_state()
+        self._adopt_arrangement()
+        if self._head is None:  # else the head hook did, before any callback could set it
+            self._forget_initial_epoch()
         check_callback_model(self.model, "SyncedCheckpoint")
         check_reachable(self.model)  # state no checkpoint can hold: refused before any step
         self._fit = _FITS.starting(self.model, self.directory, self._epochs())
-        self._adopt_arrangement()
         self._is_chief = is_chief(self.model)
         # Mid-epoch checkpoints are resume points for this run only when it can resume from
         # them (see resume.mid_epoch_skip): retention counts them as such only then.
@@ -369,6 +391,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             and kept.belongs_to(self.model, self._fit.index)
             and kept.restore()  # False (with a WARNING) when the variables changed
         ):
+            self._mark = EpochMark(self._start_epoch or 0)  # as it began
+            self.model._initial_epoch = self._mark  # noqa: SLF001
             logger.info(
                 "keras-mirror-kit: this fit() raised before its first checkpoint in %s; the "
                 "model, its optimizer and random state are back at the state that fit() "
@@ -377,6 +401,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             )
             return
         self._start_state = StartState(self.model, self._fit.index)
+        self._start_epoch = self.model._initial_epoch  # noqa: SLF001 (another callback's)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if self._steps_in_fit and self._preemption.pending():  # no collective here
@@ -508,19 +533,30 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         (EarlyStopping, ReduceLROnPlateau, ...) are found, so that their states are saved
         and restored, this callback moves after them, so that each epoch end saves their
         state of that epoch, and two hooks run first (a resumed epoch's callback states are
-        put back before any callback's `on_epoch_begin`) and last (the end of a resumed
-        epoch is requested after every other callback's `on_train_batch_end`).
+        put back before any callback's `on_epoch_begin`) and last (no callback restored
+        another state over the checkpoint's at `on_train_begin`; the end of a resumed epoch
+        is requested after every other callback's `on_train_batch_end`). Keras'
+        `BackupAndRestore` listed after it is moved before it: the checkpoint's state wins.
         """
-        head = LoopHook(epoch_begin=self._before_epoch, epoch_end=self._clear_own_stop)
-        tail = LoopHook(batch_end=self._request_epoch_end)
+        head = LoopHook(
+            self,
+            train_begin=self._forget_initial_epoch,
+            epoch_begin=self._before_epoch,
+            epoch_end=self._clear_own_stop,
+        )
+        check = functools.partial(self._or_release, self._check_state_kept)
+        tail = LoopHook(self, train_begin=check, batch_end=self._request_epoch_end)
         tracked, arranged = place_after_stateful(self, callbacks, head, tail)
         self._arranged = (tracked, head, tail)
+        self._restorers = restoring_callbacks(callbacks)
+        self._later = train_beginners_after(self, arranged)
         return arranged
 
     def on_fit_end(self) -> None:
         """Once `fit()` returned or raised: no signal handler, no arrangement (`FitHooks`)."""
         self._preemption.stop()  # already done by on_train_end or on_fit_exception
         self._arranged = None
+        self._restorers, self._later = [], []
         self._cursor = self._given_cursor  # the next fit() finds its own
 
     def _adopt_arrangement(self) -> None:
@@ -541,6 +577,15 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             states, arrays = self._pending_states
             self._pending_states = None
             apply_callback_states(self._tracked, states, arrays)
+
+    def _forget_initial_epoch(self) -> None:
+        # A fit() interrupted by an exception never reached on_train_end: clear its epoch.
+        self.model._initial_epoch = None  # noqa: SLF001
+
+    def _check_state_kept(self) -> None:
+        """From the tail hook: no callback after this one restored a state over the one
+        restored (it would set the start epoch again), before any step."""
+        check_start_epoch(self.model, self._mark, self.directory, self._later)
 
     def _request_epoch_end(self) -> None:
         if self._want_epoch_end and not self._ending_epoch_early:
@@ -644,7 +689,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             directory=self.directory,
         )
         self.last_restored = resume.restored
-        self.model._initial_epoch = resume.initial_epoch  # noqa: SLF001
+        self._mark = mark_start_epoch(self.model, resume, self.directory, self._restorers)
         self._resume_epoch, self._resume_skip = resume.epoch, resume.skip
         self._pending_states = resume.callback_states
         if resume.fit is not None:  # a later stage rerun alone: its number from now on

@@ -72,7 +72,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
     The batch size and the replica count come from a model built by `kmk.distributed()`:
     the batch its `fit` really uses (the global batch size, or the `batch_size` given with
     NumPy arrays), and a smaller last batch counted exactly where its size is known (arrays,
-    or `kmk.make_dataset(..., drop_remainder=False)`). For any other model pass
+    or a kit dataset, which keeps it unless `drop_remainder=True`). For any other model pass
     `global_batch_size` (Keras does not tell callbacks the batch size); `num_replicas` then
     defaults to the replicas of the model's `tf.distribute` strategy (1 without one), and
     every step is counted as one full global batch.

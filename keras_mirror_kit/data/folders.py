@@ -118,7 +118,7 @@ def _folder_dataset(
     crop: RandomCropFlip | None,
     shapes: np.ndarray | None,
     label_map: Callable[[Any], Any] | None,
-    drop_remainder: bool | None,
+    drop_remainder: bool,
     preprocess: Callable[[Any], Any] | None,
     preprocess_on: str,
     strict: bool,
@@ -130,7 +130,7 @@ def _folder_dataset(
     placement = check_placement(preprocess, preprocess_on)
     strict = check_bool("strict", strict)
     seed, seed_given = resolve_seed(seed, shuffle, "image_dataset_from_directory")
-    drop = shuffle if drop_remainder is None else bool(drop_remainder)
+    drop = check_bool("drop_remainder", drop_remainder)
     n = len(paths)
     whole = functools.partial(
         _folder_dataset, paths, labels, batch_size, shuffle=shuffle, seed=seed,
@@ -400,7 +400,7 @@ def image_dataset_from_directory(
     preprocess: Callable[[Any], Any] | None = None,
     preprocess_on: str = "auto",
     augment: Callable[[Any], Any] | None = None,
-    drop_remainder: bool | None = None,
+    drop_remainder: bool = False,
     strict: bool = False,
     max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> Any:
@@ -411,8 +411,9 @@ def image_dataset_from_directory(
     decoded by Keras' own functions). What differs: each epoch's order is a permutation
     keyed on `(seed, epoch)` rather than a shuffle buffer, so `SyncedCheckpoint(dataset=)`
     resumes it exactly mid-epoch; files are decoded in a parallel map (in a multi-worker
-    run each worker decodes only its own part of every batch); a shuffled (training)
-    dataset drops its last partial batch unless `drop_remainder=False`; and `preprocess`
+    run each worker decodes only its own part of every batch); `drop_remainder=True`
+    drops the last partial batch of the training data (kept by default, as Keras keeps
+    it); and `preprocess`
     (for example Keras' random augmentation layers) runs per batch with random draws keyed
     on `(seed, epoch, batch)`, so augmentation is reproducible and resumes exactly. And
     files someone else made are checked when the dataset is built, before any training
@@ -459,9 +460,10 @@ def image_dataset_from_directory(
             Keras' own. Not allowed with `subset="validation"`. `kmk.random_crop_flip()`
             (alone, or first in `then(...)`) crops and flips while the files are decoded,
             before `preprocess`: the images stay `image_size`.
-        drop_remainder: Drop the last partial batch of the training data; defaults to
-            `shuffle`. A validation subset (`subset="validation"`, or the second of
-            `subset="both"`) keeps every sample, whatever `shuffle` says.
+        drop_remainder: Drop the last partial batch of the training data (default
+            False: every file in every epoch, as Keras' loader; see `make_dataset`). A
+            validation subset (`subset="validation"`, or the second of `subset="both"`)
+            keeps every sample.
         strict: Refuse a `preprocess` whose random draws the kit cannot key, instead of a
             WARNING.
         max_image_pixels: The most pixels an image file may declare in its header (a GIF:
@@ -595,7 +597,7 @@ def text_dataset_from_directory(
     preprocess: Callable[[Any], Any] | None = None,
     preprocess_on: str = "auto",
     augment: Callable[[Any], Any] | None = None,
-    drop_remainder: bool | None = None,
+    drop_remainder: bool = False,
     strict: bool = False,
 ) -> Any:
     """Keras' `text_dataset_from_directory`, as a kit dataset that resumes exactly mid-epoch.
@@ -604,8 +606,8 @@ def text_dataset_from_directory(
     `keras.utils.text_dataset_from_directory` (Keras' own indexing and reading of `.txt`
     files); each epoch's order is a permutation keyed on `(seed, epoch)`, so
     `SyncedCheckpoint(dataset=)` resumes it exactly mid-epoch. As with
-    `image_dataset_from_directory`, a shuffled dataset drops its last partial batch unless
-    `drop_remainder=False`, and with `follow_links=True` a symbolic link back to a folder
+    `image_dataset_from_directory`, the last partial batch is kept unless
+    `drop_remainder=True`, and with `follow_links=True` a symbolic link back to a folder
     above it (a loop Keras' walk never leaves) is refused before the files are indexed.
 
     Args:
@@ -629,9 +631,10 @@ def text_dataset_from_directory(
         preprocess_on: Where `preprocess` runs for kit-built models (see `make_dataset`).
         augment: Function applied to each batch of strings of the training subset only,
             after `preprocess`. Not allowed with `subset="validation"`.
-        drop_remainder: Drop the last partial batch of the training data; defaults to
-            `shuffle`. A validation subset (`subset="validation"`, or the second of
-            `subset="both"`) keeps every sample, whatever `shuffle` says.
+        drop_remainder: Drop the last partial batch of the training data (default
+            False: every file in every epoch, as Keras' loader; see `make_dataset`). A
+            validation subset (`subset="validation"`, or the second of `subset="both"`)
+            keeps every sample.
         strict: Refuse a `preprocess` whose random draws the kit cannot key.
 
     Returns:

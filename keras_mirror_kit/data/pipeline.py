@@ -75,7 +75,7 @@ def make_dataset(
     seed: int | None = None,
     preprocess: Callable[[Any], Any] | None = None,
     preprocess_on: str = "auto",
-    drop_remainder: bool | None = None,
+    drop_remainder: bool = False,
     num_replicas: int | None = None,
     prefetch: bool = True,
     load: Callable[..., Any] | None = None,
@@ -129,14 +129,17 @@ def make_dataset(
             other consumer of the dataset (a plain Keras model, your own loop, or a
             pipeline built on top of it such as `ds.repeat()`) always gets the
             host-preprocessed batches.
-        drop_remainder: Drop the last partial batch. Defaults to `shuffle` (dropped for
-            training, kept for evaluation). A kept last batch of any size is fine for
-            `evaluate`, validation and `predict` (each replica takes its part, some none);
-            `fit` refuses, before any step, to train on one that does not split evenly
-            over the model's replicas (that step would weigh its samples unequally).
-            Given to `evaluate`, or to `fit` as `validation_data`, of a model the kit
-            built, a dataset that drops its last batch is evaluated whole all the same
-            (on TensorFlow; JAX refuses a last batch it cannot split).
+        drop_remainder: Drop the last partial batch. Default False: every epoch holds
+            every sample, as Keras' `fit(x, y)` and its loaders give them. A last batch
+            of any size is fine for `evaluate`, validation and `predict` (each replica
+            takes its part, some none), and trains as on one device (TensorFlow, a model
+            the kit built); `fit` refuses, before any step, a last training batch that
+            leaves a replica without a sample (1 sample on 2 replicas), or, for a
+            `train_step` the kit does not weigh and on JAX, one that does not split
+            evenly: pass True then. Given to `evaluate`, or to `fit` as
+            `validation_data`, of a model the kit built, a dataset that drops its last
+            batch is evaluated whole all the same (on TensorFlow; JAX refuses a last
+            batch it cannot split).
         num_replicas: Deprecated, without effect (a `DeprecationWarning` when given).
         prefetch: Add a `prefetch(tf.data.AUTOTUNE)` at the end.
         load: A function of one item of `x` returning that sample's features (tensors of
@@ -204,7 +207,7 @@ def build_dataset(
     seed: int | None = None,
     preprocess: Callable[[Any], Any] | None = None,
     preprocess_on: str = "auto",
-    drop_remainder: bool | None = None,
+    drop_remainder: bool = False,
     num_replicas: int | None = None,
     prefetch: bool = True,
     load: Callable[..., Any] | None = None,
@@ -227,7 +230,7 @@ def build_dataset(
             DeprecationWarning,
             stacklevel=3,
         )
-    drop = shuffle if drop_remainder is None else bool(drop_remainder)
+    drop = check_bool("drop_remainder", drop_remainder)
     features = to_tensors(x, "x")
     labels = None if y is None else to_tensors(y, "y")
     tensors = (features,) if labels is None else (features, labels)

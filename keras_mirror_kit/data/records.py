@@ -257,7 +257,7 @@ def tfrecord_dataset(
     shuffle_window: int = 1024,
     preprocess: Callable[[Any], Any] | None = None,
     preprocess_on: str = "auto",
-    drop_remainder: bool | None = None,
+    drop_remainder: bool = False,
     compression_type: str | None = None,
     prefetch: bool = True,
     strict: bool = False,
@@ -291,7 +291,8 @@ def tfrecord_dataset(
         shuffle_window: Records permuted together (held in memory as serialized records).
         preprocess: Function applied to each batch of features (see `make_dataset`).
         preprocess_on: Where `preprocess` runs for kit-built models (see `make_dataset`).
-        drop_remainder: Drop the last partial batch; defaults to `shuffle`.
+        drop_remainder: Drop the last partial batch (default False: every record in
+            every epoch).
         compression_type: `"GZIP"`, `"ZLIB"` or None (a compressed file is counted by
             reading it once).
         prefetch: Add a `prefetch(tf.data.AUTOTUNE)` at the end.
@@ -335,7 +336,7 @@ def tfrecord_dataset(
     if total == 0:
         raise ValueError(f"The TFRecord files hold no record. Received: files={paths!r}")
     seed, seed_given = resolve_seed(seed, shuffle, "tfrecord_dataset")
-    drop = shuffle if drop_remainder is None else bool(drop_remainder)
+    drop = check_bool("drop_remainder", drop_remainder)
     info = epoch_info(total, batch_size, drop, seed, seed_given, placement)
     cursor, num_batches = info.cursor, info.cursor.num_batches
     has_y = _parse_gives_labels(parse)
