@@ -600,6 +600,38 @@ class GuideModel3(keras.Model):
         return {m.name: m.result() for m in self.metrics}
 
 
+class GuideModel4(keras.Model):
+    """The guide's fourth `CustomModel`: its own `test_step` only (Keras' `train_step`)."""
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(y=y, y_pred=y_pred)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class CountingStep(GuideModel2):
+    """The guide's second step, counting its batches in a `Sum` given an integer."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches = keras.metrics.Sum(name="batches")
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        self.batches.update_state(1)
+        return {**logs, "batches": self.batches.result()}
+
+    @property
+    def metrics(self):
+        return [*super().metrics, self.batches]
+
+
 class GuideGAN(keras.Model):
     """The guide's end-to-end `GAN`: seeded latents and label noise, `optimizer.apply`."""
 
@@ -779,10 +811,16 @@ def make(name: str, optimizer: str = "sgd", **options):
             alpha=0.1,
             temperature=10,
         )
-    elif name in ("guide1", "guide2", "guide3"):
-        cls = {"guide1": GuideModel1, "guide2": GuideModel2, "guide3": GuideModel3}[name]
+    elif name in ("guide1", "guide2", "guide3", "guide4", "counting"):
+        cls = {
+            "guide1": GuideModel1,
+            "guide2": GuideModel2,
+            "guide3": GuideModel3,
+            "guide4": GuideModel4,
+            "counting": CountingStep,
+        }[name]
         model = cls(*_dense_inputs())
-        if name == "guide2":
+        if name in ("guide2", "counting"):
             model.compile(optimizer=opt())
         else:
             model.compile(optimizer=opt(), loss="mse", metrics=["mae"])

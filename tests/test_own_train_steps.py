@@ -10,7 +10,7 @@ holds and of its own seed generator, and every figure `fit` logs, agree to 1e-6,
 Adam on 29 rows (a last batch of 5, split 3/2) and, for the keras-io models, with SGD on
 32 (even). A loss written
 for another replica count is refused before any step; a killed GAN resumes bit for bit;
-state no checkpoint can hold is named before any step; `doctor --model` names the own
+state no checkpoint holds is named (a stateful random op refused) before any step; `doctor --model` names the own
 step (`@slow`: a child process).
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -56,6 +55,7 @@ EXACT = (
     "form:compute_average_loss",
     "form:compute_average_loss_global",
     "form:add_loss",
+    "counting",
 )
 
 
@@ -103,6 +103,22 @@ def test_one_and_two_replicas_train_alike_and_log_alike(name: str) -> None:
                 two_logs[key],
             )
         assert int(two.optimizer.iterations.numpy()) in (0, 8)  # 4 steps x 2 epochs, or unused
+
+
+def test_a_sum_metric_counts_one_devices_batches_and_a_test_step_alone_trains_once() -> None:
+    for devices in (ONE, TWO):
+        counting, logs = _trained("counting", devices, "sgd", 32)
+        assert logs["batches"] == [4.0, 4.0], (len(devices), logs)  # read outside the step
+        assert float(counting.batches.result()) == 4.0
+    # A model with its own test_step only: Keras' train_step trains it, one update a step
+    # (the probe is for own train_steps), and evaluate logs one device's figures.
+    runs = []
+    for devices in (ONE, TWO):
+        guide, logs = _trained("guide4", devices, "sgd", 29)
+        assert int(guide.optimizer.iterations.numpy()) == 8
+        runs.append(guide.evaluate(*models.data("guide4", 29), return_dict=True, verbose=0))
+    assert runs[0].keys() == runs[1].keys()
+    assert all(np.isclose(runs[0][k], runs[1][k], rtol=TOLERANCE) for k in runs[0]), runs
 
 
 def test_every_optimizer_the_model_holds_trains_and_is_saved() -> None:
@@ -202,13 +218,7 @@ class CountingModel(models.GuideModel1):
         self.counted = tf.Variable(0, name="steps_counted")
 
 
-@pytest.mark.parametrize(
-    ("cls", "named"),
-    [(ShuffledStep, "RandomShuffle"), (CountingModel, "1 tf.Variable(s) Keras does not track")],
-)
-def test_state_no_checkpoint_can_hold_is_named_before_any_step(
-    cls: type, named: str, tmp_path: Path
-) -> None:
+def _counted_or_shuffled(cls: type) -> keras.Model:
     @kmk.distributed(global_batch_size=BATCH, devices=TWO)
     def factory() -> keras.Model:
         inputs = keras.Input((6,))
@@ -216,22 +226,42 @@ def test_state_no_checkpoint_can_hold_is_named_before_any_step(
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
         return model
 
-    model = factory()
-    if cls is CountingModel:
-        assert [v.name for v in untracked_variables(model)] == ["steps_counted:0"]
-        assert "state_outside_checkpoint" in [c.code for c in model_causes(model, 2)]
+    return factory()
+
+
+def _fit_checkpointed(model: keras.Model, directory: Path) -> None:
+    model.fit(
+        *models.data("form:mean", 32),
+        batch_size=BATCH,
+        epochs=1,
+        verbose=0,
+        callbacks=[kmk.SyncedCheckpoint(directory)],
+    )
+
+
+def test_a_stateful_random_op_no_checkpoint_holds_is_refused_before_any_step(
+    tmp_path: Path,
+) -> None:
+    model = _counted_or_shuffled(ShuffledStep)
     before = model.get_weights()
-    with pytest.raises(CheckpointError, match=re.escape(named)) as raised:
-        model.fit(
-            *models.data("form:mean", 32),
-            batch_size=BATCH,
-            epochs=1,
-            verbose=0,
-            callbacks=[kmk.SyncedCheckpoint(tmp_path / "ckpt")],
-        )
+    with pytest.raises(CheckpointError, match="RandomShuffle") as raised:
+        _fit_checkpointed(model, tmp_path / "ckpt")
     assert "nothing was trained" in str(raised.value)
     assert _gap(before, model.get_weights()) == 0.0
     assert not list((tmp_path / "ckpt").glob("ckpt-*"))
+
+
+def test_a_variable_keras_does_not_track_is_named_before_any_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = _counted_or_shuffled(CountingModel)
+    assert [v.name for v in untracked_variables(model)] == ["steps_counted:0"]
+    assert "state_outside_checkpoint" in [c.code for c in model_causes(model, 2)]
+    with caplog.at_level("WARNING", logger="keras_mirror_kit"):
+        _fit_checkpointed(model, tmp_path / "ckpt")
+    named = [r.getMessage() for r in caplog.records if "does not track" in r.getMessage()]
+    assert named and "steps_counted:0" in named[0], caplog.text
+    assert int(model.optimizer.iterations.numpy()) == 4
 
 
 def test_plain_keras_still_scales_losses_per_replica() -> None:

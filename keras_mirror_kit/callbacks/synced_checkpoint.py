@@ -194,9 +194,9 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             when a callback listed after it restored a state over the checkpoint's.
         CheckpointError: At `on_train_begin`, before any training step, for an unusable
             directory or a checkpoint of another model or optimizer (or a data mismatch
-            with `strict=True`), or a model holding state no checkpoint can hold (a
-            `tf.Variable` Keras does not track, a stateful TensorFlow random op in its own
-            `train_step`); at a save, for a state holding NaN or Inf.
+            with `strict=True`), or a stateful TensorFlow random op in the model's own
+            `train_step` whose state no checkpoint can hold; at a save, for a state
+            holding NaN or Inf.
         CheckpointLockedError: At `on_train_begin`, when another live run holds the
             directory's lock (`writer.lock`; a stale one is taken over with a
             `StaleLockWarning`).
@@ -342,7 +342,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         if self._head is None:  # else the head hook did, before any callback could set it
             self._forget_initial_epoch()
         check_callback_model(self.model, "SyncedCheckpoint")
-        check_reachable(self.model)  # state no checkpoint can hold: refused before any step
+        check_reachable(self.model)  # state no checkpoint holds: named before any step
         self._fit = _FITS.starting(self.model, self.directory, self._epochs())
         self._is_chief = is_chief(self.model)
         # Mid-epoch checkpoints are resume points for this run only when it can resume from

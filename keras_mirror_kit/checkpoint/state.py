@@ -90,44 +90,41 @@ def _own_step_state(model: Any) -> list[Any]:
 
 
 def check_reachable(model: Any) -> None:
-    """Refuses, before any step, a model with state no checkpoint can hold.
+    """Names, before any step, the state of a model that no checkpoint holds.
 
-    That is a `tf.Variable` the model or a layer holds outside Keras' tracking
-    (`model_parts.untracked_variables`), and a stateful TensorFlow random op in the model's
-    own training step that the kit does not draw from the model's saved generator (found
-    by the probe of `own_steps`). A resumed run would start them afresh, and so would not
-    go on as the interrupted one.
+    A stateful TensorFlow random op in the model's own training step that the kit does not
+    draw from the model's saved generator (found by the probe of `own_steps`) is refused: a
+    resumed run would draw other numbers and go on unlike the interrupted one. A
+    `tf.Variable` the model or a layer holds outside Keras' tracking
+    (`model_parts.untracked_variables`) is named in a WARNING: it may be a constant, or
+    state a resumed run starts afresh.
 
     Raises:
-        CheckpointError: Naming that state and what to write instead.
+        CheckpointError: For such random ops, naming them and what to write instead.
     """
     untracked = untracked_variables(model)
+    if untracked:
+        logger.warning(
+            "keras-mirror-kit: %s holds %d tf.Variable(s) Keras does not track (%s): no "
+            "checkpoint holds them, so a resumed run starts them afresh. Create them with "
+            "keras.Variable(...) as attributes of the model or a layer to have them saved.",
+            type(model).__name__,
+            len(untracked),
+            ", ".join(str(getattr(v, "name", "?")) for v in untracked[:5]),
+        )
     module = sys.modules.get("keras_mirror_kit.own_steps")
     record = module.record_of(model) if module is not None else None
     ops = list(record.result.stateful_random) if record is not None and record.result else []
-    if not untracked and not ops:
-        return
-    found, fixes = [], []
-    if untracked:
-        names = [getattr(v, "name", "?") for v in untracked]
-        found.append(f"{len(names)} tf.Variable(s) Keras does not track ({', '.join(names[:5])})")
-        fixes.append("create them with keras.Variable(...) as attributes of the model or a layer")
     if ops:
-        found.append(
-            f"stateful TensorFlow random ops in its train_step ({', '.join(ops)}), whose state "
-            "lives in the ops"
+        raise CheckpointError(
+            f"{type(model).__name__}'s train_step draws random numbers with stateful "
+            f"TensorFlow ops ({', '.join(ops)}) whose state lives in the ops: no checkpoint "
+            "holds it, so a resumed run would draw other numbers and go on unlike the "
+            "interrupted one; nothing was trained. Draw with keras.random.* and a "
+            "keras.random.SeedGenerator created in __init__ (seed=self.seed_generator), or "
+            "with tf.random.normal, uniform or truncated_normal, which the kit draws from "
+            f"the model's saved generator. Received: model={model.name!r}"
         )
-        fixes.append(
-            "draw with keras.random.* and a keras.random.SeedGenerator created in __init__ "
-            "(seed=self.seed_generator), or with tf.random.normal, uniform or "
-            "truncated_normal, which the kit draws from the model's saved generator"
-        )
-    raise CheckpointError(
-        f"{type(model).__name__} holds state that no checkpoint can hold: "
-        f"{'; and '.join(found)}. A resumed run would start it afresh and go on unlike the "
-        f"interrupted one, so nothing was trained. To checkpoint it, {'; and '.join(fixes)}. "
-        f"Received: model={model.name!r}"
-    )
 
 
 def build_optimizer(model: Any) -> None:

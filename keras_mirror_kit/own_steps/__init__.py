@@ -42,6 +42,7 @@ from keras_mirror_kit.own_steps.probe import Probe, ProbeResult, probe_batch, ru
 from keras_mirror_kit.own_steps.step import EMPTY_PART, wrap
 from keras_mirror_kit.workarounds import (
     keras_ema_overwrite,
+    keras_grad_accumulation,
     keras_gradient_clipping,
     keras_loss_scale,
     keras_own_step_losses,
@@ -60,6 +61,9 @@ __all__ = [
 
 logger = logging.getLogger("keras_mirror_kit")
 
+#: The seed of the generator an own step's unseeded random draws come from.
+OWN_SEED = 1337
+
 
 @dataclass(eq=False)
 class OwnStepRecord:
@@ -68,7 +72,7 @@ class OwnStepRecord:
     strategy: Any
     seed_generator: Any  # the step's unseeded draws (random_draws), saved in checkpoints
     probe: list[Probe | None] = field(default_factory=lambda: [None])  # the run under way
-    first_batch: Any = None  # fit()'s first batch, until the probe has run
+    first_batch: tuple[Any, bool] | None = None  # (rows, compare) until the probe has run
     result: ProbeResult | None = None  # the probe's findings
 
 
@@ -116,15 +120,22 @@ def _prepare_fit(model: Any, record: OwnStepRecord, probe: bool) -> None:
     for optimizer in optimizers_of(model):
         own_optimizers.weigh(optimizer)
         if optimizer is not getattr(model, "optimizer", None):  # the kit fixed that one
+            inner = keras_grad_accumulation.accumulating_optimizer(optimizer)
+            if inner is not None:
+                keras_grad_accumulation.apply(inner)
             keras_gradient_clipping.apply(optimizer, replicas)
             keras_ema_overwrite.apply(optimizer)
-            keras_loss_scale.fix_optimizer(optimizer, replicas) if replicas > 1 else None
+            if replicas > 1:
+                keras_loss_scale.fix_optimizer(optimizer, replicas)
     for metric in metrics_of(model):
         own_metrics.globalize(metric)
-    batch, record.first_batch = record.first_batch, None
-    if not probe or batch is None or record.result is not None:
+    first, record.first_batch = record.first_batch, None
+    if not probe or first is None or record.result is not None:
         return
-    record.result = run_probe(model, batch, strategy, record.probe, own_state(model))
+    if not has_own_step(model, "train_step"):  # its own test_step only: Keras trains it
+        return
+    whole, compare = first
+    record.result = run_probe(model, whole, compare, strategy, record.probe, own_state(model))
     with strategy.scope():
         for optimizer, variables in record.result.optimizer_variables:
             if not optimizer.built and variables:
@@ -162,15 +173,15 @@ def before_build(model: Any) -> None:
 
 
 def after_build(model: Any, batch: Any, iterator: Any = None) -> None:
-    """Keeps `fit`'s first batch (as distributed over the replicas) for the probe; where none
-    was taken (a generator, a `PyDataset`), one `probe.probe_batch` takes from nothing `fit`
-    reads."""
+    """Keeps rows of `fit`'s first batch for the probe (`probe.probe_batch`: where Keras'
+    build took none, a `PyDataset`'s first batch or rows made from the data's spec)."""
     record = record_of(model)
-    if record is None or record.result is not None:
+    if record is None or record.result is not None or iterator is None:
         return
-    if batch is None and iterator is not None:
-        batch = probe_batch(iterator, record.strategy)
-    record.first_batch = batch
+    if not has_own_step(model, "train_step"):
+        return
+    whole, compare = probe_batch(iterator, record.strategy, batch)
+    record.first_batch = None if whole is None else (whole, compare)
 
 
 def apply(model: Any, strategy: Any) -> bool:
@@ -187,7 +198,9 @@ def apply(model: Any, strategy: Any) -> bool:
     if not own:
         return False
     with strategy.scope():  # mirrored; created now, before any trace or restore
-        generator = keras.random.SeedGenerator(name="own_step_seed_generator")
+        # A fixed seed: drawing one from Python's `random` would move every later draw of
+        # the script (a PyDataset's shuffle) away from plain Keras'.
+        generator = keras.random.SeedGenerator(seed=OWN_SEED, name="own_step_seed_generator")
     record = _RECORDS[model] = OwnStepRecord(strategy, generator)
 
     def probe_of() -> Probe | None:

@@ -10,10 +10,13 @@ whatever their rows. Inside an own step (`context.current()`) on several replica
   the batch's rows, as one device's `update_state(loss)` counts the batch once; a replica
   without rows (the last batch of an evaluation) adds nothing of its own;
 * at the end of the step (`StepMetrics.finish`, called by `own_steps.step`), what the
-  step's updates added to the metrics' variables on all replicas together is added to
-  every replica's copy: one all-reduce for every metric the step updated and every figure
-  it returns. Every copy then holds what one device's metric holds, and a figure the step
-  returns from `metric.result()` is read again from it: one device's figure.
+  step's updates added to the metrics' variables on all replicas together is known on
+  every replica: one all-reduce for every metric the step updated and every figure it
+  returns. Each replica's copy of a float variable then holds 1/N of one device's value,
+  so that the sum Keras reads outside the step (the epoch's logs, `evaluate`'s result) is
+  one device's, and a ratio (a mean, an accuracy) read inside it too; a figure the step
+  returns from `metric.result()` is read again with one device's values in place: one
+  device's figure.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class StepMetrics:
 
     def __init__(self) -> None:
         self._before: dict[int, tuple[Any, list[Any], list[tf.Tensor]]] = {}
-        self._results: dict[int, tuple[Any, int]] = {}  # id(result leaf) -> (metric, index)
+        self._results: list[tuple[Any, Any, int]] = []  # (result leaf, metric, index)
 
     def touch(self, metric: Any) -> list[tf.Tensor]:
         """The metric's variables before the step's first update of it (read now, once)."""
@@ -91,7 +94,7 @@ def _scalar_loss(metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     value = kwargs.get("values", args[0] if args else None)
     if value is None:
         return None
-    value = tf.convert_to_tensor(value)
+    value = tf.cast(tf.convert_to_tensor(value), metric.dtype)  # an int loss counts too
     return value if value.shape.rank == 0 else None
 
 

@@ -1,26 +1,32 @@
 """One probe step, before any training step: does the own step train as on one device?
 
 The kit cannot read from a step's code how it reduced its losses. So at the first `fit` of
-a model with its own `train_step`, it runs the step twice on the first batch, from the same
-state, applying nothing: once on one replica (the whole batch, outside the strategy, as on
-one device) and once on the N replicas as `fit` will run it. Each optimizer application of
-the step is recorded (which optimizer, which variables, and three numbers of the gradient it
-would apply: two fixed random projections and the squared norm), and so is what the step
-returns. Then every state the step wrote (non-trainable variables, metrics, seed states)
-is put back as it was.
+a model with its own `train_step`, it runs the step twice on a few rows of the first batch
+(2 per replica: what the probe costs in memory is little), from the same state, applying
+nothing: once on the N replicas as `fit` will run it (under the strategy: a layer the step
+builds lazily is built there, mirrored), and once as one device runs it (the same rows,
+outside the strategy, in a thread of its own). Each optimizer application of the step is
+recorded (which optimizer, which variables, and four numbers of the gradient it would
+apply: two fixed random projections, the squared norm and the number of values), and so
+is what the step returns. Then every variable the step may write (the model's, its
+metrics', its seed generators') is put back as it was.
 
-* Same applications, same gradients (relative difference <= 1e-2, far below the factor of 2
-  or more of a loss reduced for another replica count) and same returned figures: the step
-  trains as on one device.
-* A gradient in another proportion (a loss divided by the replica count or by a fixed global
-  batch size, where the kit already weighs each replica by its share): `ValueError` before
-  any training step, naming the optimizer, the factor and what to write instead.
+* Same applications, same gradients (each number within 1e-2 of its own scale) and same
+  returned figures: the step trains as on one device.
+* A gradient in another proportion (below 0.75 or above 1.33 of one device's: a loss
+  divided by the replica count or a fixed global batch size, where the kit already weighs
+  each replica by its share): `ValueError` before any training step, naming the
+  optimizer, the factor and what to write instead. A smaller difference (batch statistics
+  per replica: an unsynchronized `BatchNormalization`) is a WARNING naming the cure.
+* Gradients that are not finite in either run (float16's first loss scale) leave the
+  comparison undecided (INFO).
 
-The one-replica run also tells which variables each optimizer the step applies is built
+The N-replica run also tells which variables each optimizer the step applies is built
 with, so that an optimizer not yet built (a GAN's `d_optimizer` before its first step) is
 built now and a checkpoint can restore it, and which stateful TensorFlow random ops the
-step holds (`stateful_random`). On several workers the whole batch is on no single
-process: only the one-replica run takes place, on this worker's first part.
+step holds (`stateful_random`). The comparison is left out on several workers (the batch
+is on no single process), on one replica, and on a batch made up from the data's spec (a
+generator's batches cannot be taken back).
 """
 
 from __future__ import annotations
@@ -40,7 +46,9 @@ __all__ = ["Probe", "ProbeResult", "probe_batch", "run_probe"]
 
 logger = logging.getLogger("keras_mirror_kit")
 
-RELATIVE = 1e-2  # gradients this close are the same (factors of 2 or more are the point)
+RELATIVE = 1e-2  # numbers this close are the same (factors of 2 or more are the point)
+ROWS_PER_REPLICA = 2  # the probe's batch: this many rows per replica
+FAR = (0.75, 1.33)  # a gradient ratio outside this is a loss reduced for another count
 _STATEFUL_RANDOM = frozenset(
     {
         "RandomUniform",
@@ -88,18 +96,19 @@ class Probe:
         if variables is None:
             variables = list(getattr(optimizer, "_trainable_variables", []) or [])
         share = step.share
-        kept = [(g, v) for g, v in zip(grads, variables, strict=False) if g is not None]
-        dense = [tf.convert_to_tensor(g) * tf.cast(share, g.dtype) for g, _ in kept]
+        kept = [g for g in grads if g is not None]
+        dense = [tf.convert_to_tensor(g) * tf.cast(share, g.dtype) for g in kept]
         dense = step.all_reduce(dense) if step.replicas > 1 else dense
-        numbers = [tf.constant(0.0), tf.constant(0.0), tf.constant(0.0)]
+        numbers = [tf.constant(0.0) for _ in range(4)]
         for i, g in enumerate(dense):
             g = tf.cast(g, tf.float32)
             for j in (0, 1):
                 noise = tf.random.stateless_normal(tf.shape(g), seed=[j + 1, i + 1])
                 numbers[j] += tf.reduce_sum(g * noise)
             numbers[2] += tf.reduce_sum(tf.square(g))
+            numbers[3] += tf.cast(tf.size(g), tf.float32)
         applications, found = self._traces.setdefault(threading.get_ident(), ([], []))
-        applications.append((optimizer, [v for _, v in kept]))
+        applications.append((optimizer, list(variables)))  # all of them: Keras builds so
         found.append(numbers)
 
 
@@ -109,7 +118,6 @@ class ProbeResult:
 
     stateful_random: list[str] = field(default_factory=list)
     optimizer_variables: list[tuple[Any, list[Any]]] = field(default_factory=list)
-    compared: bool = False  # the N-replica run took place and agreed
 
 
 def _synthetic(spec: Any, rows: int) -> Any:
@@ -128,25 +136,51 @@ def _synthetic(spec: Any, rows: int) -> Any:
     return tf.nest.map_structure(leaf, spec)
 
 
-def probe_batch(iterator: Any, strategy: Any) -> Any:
-    """A first batch for the probe, as `fit` distributes it, taken from nothing `fit` reads.
+def _whole(batch: Any, strategy: Any) -> Any:
+    """The batch a single device would get: every local replica's part, in order."""
 
-    A `PyDataset`'s batch 0 (its batches are addressable), else a batch made from the
-    data's element spec (a generator's batches cannot be taken back). None without one.
+    def whole(leaf: Any) -> Any:
+        if isinstance(leaf, tf.distribute.DistributedValues):
+            parts = strategy.experimental_local_results(leaf)
+            with tf.device("/cpu:0"):
+                return tf.concat([tf.identity(p) for p in parts], axis=0)
+        return leaf
+
+    return tf.nest.map_structure(whole, batch)
+
+
+def probe_batch(iterator: Any, strategy: Any, batch: Any) -> tuple[Any, bool]:
+    """`(rows as one device gets them, whether to compare)` for the probe, or `(None, False)`.
+
+    `batch` is the first batch Keras' build took (as distributed), where one was taken.
+    Otherwise a `PyDataset`'s first batch (its batches are addressable), or rows made from
+    the data's element spec, which are only good to build the optimizers on (a
+    generator's batches cannot be taken back).
     """
+    if batch is not None:
+        return _whole(batch, strategy), True
     from keras_mirror_kit.workarounds.keras_uneven_first_batch import spec_batch
 
     adapter = getattr(iterator, "data_adapter", None)
     py_dataset = getattr(adapter, "py_dataset", None)
-    if py_dataset is not None and len(py_dataset):
-        data = adapter._standardize_batch(py_dataset[0])  # noqa: SLF001
-    else:
-        spec = spec_batch(iterator)
-        if spec is None:
-            return None
-        data = _synthetic(spec, 4 * int(strategy.num_replicas_in_sync))
-    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(data))
-    return next(iter(dataset))
+    if py_dataset is not None and (getattr(py_dataset, "num_batches", None) or 0) > 0:
+        return adapter._standardize_batch(py_dataset[0]), True  # noqa: SLF001
+    spec = spec_batch(iterator)
+    if spec is None:
+        return None, False
+    return _synthetic(spec, ROWS_PER_REPLICA * int(strategy.num_replicas_in_sync)), False
+
+
+def _first_rows(whole: Any, rows: int) -> Any:
+    """`whole` cut to its first `rows` rows, where every batched tensor has that many."""
+    leaves = [leaf for leaf in tf.nest.flatten(whole) if isinstance(leaf, (tf.Tensor, np.ndarray))]
+    batched = [leaf for leaf in leaves if len(leaf.shape)]
+    if not batched or any(leaf.shape[0] is None or leaf.shape[0] < rows for leaf in batched):
+        return whole
+    return tf.nest.map_structure(
+        lambda leaf: leaf[:rows] if isinstance(leaf, (tf.Tensor, np.ndarray)) and len(leaf.shape) else leaf,
+        whole,
+    )
 
 
 def _components(variable: Any, strategy: Any) -> list[Any]:
@@ -158,15 +192,14 @@ def _components(variable: Any, strategy: Any) -> list[Any]:
 
 
 class _Saved:
-    """Every replica's copy of the state a step may write, to put back after the probe."""
+    """Every replica's copy of the state a step may write, to put back after the probe: the
+    model's variables (a step may move weights itself: an EMA teacher, clipped critic
+    weights), its metrics' and `extra` (its own seed generator's)."""
 
     def __init__(self, model: Any, strategy: Any, extra: list[Any]) -> None:
-        variables = [v for v in model.variables if not v.trainable] + list(extra)
+        variables = [*model.variables, *extra]
         for metric in metrics_of(model):
             variables.extend(metric.variables)
-        seed = _global_seed_state()
-        if seed is not None:
-            variables.append(seed)
         self.copies = [
             (c, tf.identity(c.read_value())) for v in variables for c in _components(v, strategy)
         ]
@@ -176,16 +209,9 @@ class _Saved:
             component.assign(value)
 
 
-def _global_seed_state() -> Any:
-    try:
-        from keras.src.backend.common import global_state
-    except ImportError:
-        return None
-    generator = global_state.get_global_attribute("global_seed_generator")
-    return None if generator is None else generator.state
-
-
 def _stateful_random_ops(concrete: Any) -> list[str]:
+    if concrete is None:
+        return []
     graph_def = concrete.graph.as_graph_def()
     found = {n.op for n in graph_def.node if n.op in _STATEFUL_RANDOM}
     for function in graph_def.library.function:
@@ -200,8 +226,8 @@ def _numbers(probe: Probe, values: Any) -> list[tuple[Any, list[Any], np.ndarray
     ]
 
 
-def _run(step: Any, argument: Any, probe: Probe, holder: list[Probe | None]) -> Any:
-    """`(concrete function, step outputs, gradient numbers)` of `step(argument)` probed."""
+def _run(step: Any, argument: Any, probe: Probe, holder: list[Probe | None], eager: bool) -> Any:
+    """`(concrete function or None, step outputs, gradient numbers)` of `step(argument)`."""
 
     def probed(data: Any) -> Any:
         probe.begin()
@@ -210,6 +236,9 @@ def _run(step: Any, argument: Any, probe: Probe, holder: list[Probe | None]) -> 
 
     holder[0] = probe
     try:
+        if eager:  # run_eagerly=True: the step may need eager values
+            outputs, numbers = probed(argument)
+            return None, outputs, numbers
         concrete = tf.function(probed, autograph=False).get_concrete_function(argument)
         outputs, numbers = concrete(argument)
         return concrete, outputs, numbers
@@ -217,10 +246,14 @@ def _run(step: Any, argument: Any, probe: Probe, holder: list[Probe | None]) -> 
         holder[0] = None
 
 
+def _created_nothing(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("a variable would be created outside the strategy")
+
+
 def _as_on_one_device(model: Any, call: Any) -> Any:
     """`call()` as on one device: in a thread of its own (no strategy scope of this thread is
-    active there) and with the model's `distribute_strategy` the default one meanwhile
-    (this thread waits)."""
+    active there), with the model's `distribute_strategy` the default one meanwhile (this
+    thread waits), and creating no variable."""
     result: list[Any] = []
     error: list[BaseException] = []
 
@@ -228,7 +261,8 @@ def _as_on_one_device(model: Any, call: Any) -> Any:
         strategy = model._distribute_strategy  # noqa: SLF001
         object.__setattr__(model, "_distribute_strategy", None)
         try:
-            result.append(call())
+            with tf.variable_creator_scope(_created_nothing):
+                result.append(call())
         except BaseException as err:  # noqa: BLE001 (re-raised in the caller)
             error.append(err)
         finally:
@@ -240,19 +274,6 @@ def _as_on_one_device(model: Any, call: Any) -> Any:
     if error:
         raise error[0]
     return result[0]
-
-
-def _whole(batch: Any, strategy: Any) -> Any:
-    """The batch a single device would get: every local replica's part, in order."""
-
-    def whole(leaf: Any) -> Any:
-        if isinstance(leaf, tf.distribute.DistributedValues):
-            parts = strategy.experimental_local_results(leaf)
-            with tf.device("/cpu:0"):
-                return tf.concat([tf.identity(p) for p in parts], axis=0)
-        return leaf
-
-    return tf.nest.map_structure(whole, batch)
 
 
 def _logs(outputs: Any) -> dict[str, float]:
@@ -302,37 +323,46 @@ def _refusal(model: Any, index: int, optimizer: Any, factor: float, replicas: in
 
 
 def run_probe(
-    model: Any, batch: Any, strategy: Any, holder: list[Probe | None], extra: list[Any]
+    model: Any,
+    whole: Any,
+    compare: bool,
+    strategy: Any,
+    holder: list[Probe | None],
+    extra: list[Any],
 ) -> ProbeResult:
-    """Runs the probe (module docstring) on `batch`, a first batch as `fit` distributes it.
+    """Runs the probe (module docstring) on `whole`, rows as one device gets them.
 
-    `holder[0]` is where the model's wrapped step finds the probe under way; `extra` are
-    variables besides the model's the step may write (its seed generator's state). Raises
-    the `ValueError` of a step that does not train as on one device; puts the state back
-    in any case.
+    `compare`: whether the one-device run and the comparison take place; `holder[0]` is
+    where the model's wrapped step finds the probe under way; `extra` are variables
+    besides the model's the step may write (its seed generator's state). Raises the
+    `ValueError` of a step that does not train as on one device; puts the state back in
+    any case.
     """
     replicas = int(strategy.num_replicas_in_sync)
     local = len(strategy.extended.worker_devices)
-    whole = _whole(batch, strategy)
+    rows = _first_rows(whole, ROWS_PER_REPLICA * local)
+    batch = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(rows))))
+    eager = bool(getattr(model, "run_eagerly", False))
     saved = _Saved(model, strategy, extra)
-    one, many = Probe(), Probe()
+    many = Probe()
+
+    def on_replicas(data: Any) -> Any:
+        def replica_step(part: Any) -> Any:
+            many.begin()
+            return model.train_step(part), many.numbers()
+
+        return strategy.run(replica_step, args=(data,))
+
     try:
-        concrete, one_outputs, one_numbers = _as_on_one_device(
-            model, lambda: _run(model.train_step, whole, one, holder)
-        )
+        concrete, (many_outputs, many_numbers), _ = _run(on_replicas, batch, many, holder, eager)
         saved.restore()
         result = ProbeResult(stateful_random=_stateful_random_ops(concrete))
-        result.optimizer_variables = list(one.applications)
-        if replicas > 1 and local == replicas:
-
-            def on_replicas(data: Any) -> Any:
-                def replica_step(part: Any) -> Any:
-                    many.begin()
-                    return model.train_step(part), many.numbers()
-
-                return strategy.run(replica_step, args=(data,))
-
-            _, (many_outputs, many_numbers), _ = _run(on_replicas, batch, many, holder)
+        result.optimizer_variables = list(many.applications)
+        if compare and replicas > 1 and local == replicas:
+            one = Probe()
+            _, one_outputs, one_numbers = _as_on_one_device(
+                model, lambda: _run(model.train_step, rows, one, holder, eager)
+            )
             saved.restore()
             _compare(
                 model,
@@ -341,10 +371,18 @@ def run_probe(
                 replicas,
             )
             _compare_logs(model, _logs(one_outputs), _logs(_first(many_outputs, strategy)))
-            result.compared = True
     finally:
         saved.restore()
     return result
+
+
+def _differ(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two applications' numbers differ (each against its own scale)."""
+    norm, values = float(np.sqrt(max(a[2], 0.0))), max(float(a[3]), 1.0)
+    projection_scale = norm * np.sqrt(values) + 1e-12  # |g . r| <= |g| |r|, |r| ~ sqrt(n)
+    if abs(np.sqrt(max(b[2], 0.0)) - norm) > RELATIVE * norm + 1e-12:
+        return True
+    return bool(np.max(np.abs(a[:2] - b[:2])) > RELATIVE * projection_scale)
 
 
 def _compare(model: Any, first: list[Any], second: list[Any], replicas: int) -> None:
@@ -357,12 +395,31 @@ def _compare(model: Any, first: list[Any], second: list[Any], replicas: int) -> 
             "optimizer calls the same whatever the data's split (no branch on the batch "
             f"size or the replica). Received: replicas={replicas}"
         )
+    if not all(np.all(np.isfinite(n)) for _, _, n in [*first, *second]):
+        logger.info(
+            "keras-mirror-kit: the probe step of %s's train_step gave gradients that are "
+            "not finite (float16 loss scaling's first steps): not compared",
+            type(model).__name__,
+        )
+        return
     for index, ((optimizer, _, a), (_, _, b)) in enumerate(zip(first, second, strict=True)):
-        scale = max(float(np.max(np.abs(a))), 1e-12)
-        if np.max(np.abs(a - b)) <= RELATIVE * scale:
+        if not _differ(a, b):
             continue
         factor = float(np.sqrt(b[2] / a[2])) if a[2] > 0 else float("inf")
-        raise _refusal(model, index, optimizer, factor, replicas)
+        if not FAR[0] < factor < FAR[1]:
+            raise _refusal(model, index, optimizer, factor, replicas)
+        logger.warning(
+            "keras-mirror-kit: in a probe step of %s's train_step, the gradient of "
+            "application %d (%s) on %d replicas differs from one device's (ratio of norms "
+            "%.4g): batch statistics computed per replica (an unsynchronized "
+            "BatchNormalization: distributed(sync_batch_norm=True)) or random numbers "
+            "each replica draws itself. keras-mirror-kit doctor --model names the cause.",
+            type(model).__name__,
+            index + 1,
+            _name(optimizer),
+            replicas,
+            factor,
+        )
 
 
 def _compare_logs(model: Any, one: dict[str, float], many: dict[str, float]) -> None:
@@ -374,8 +431,8 @@ def _compare_logs(model: Any, one: dict[str, float], many: dict[str, float]) -> 
     if differing:
         logger.warning(
             "keras-mirror-kit: in a probe step of %s's train_step, figures it returns differ "
-            "from one device's (%s); its gradients agree. A figure the step computes "
-            "itself as a sum over the replica's part (not a mean) is logged per replica.",
+            "from one device's (%s). A figure the step computes itself as a sum over the "
+            "replica's part (not a mean) is logged per replica.",
             type(model).__name__,
             "; ".join(differing),
         )

@@ -59,19 +59,24 @@ def _with_first(first: Any, shape: Any) -> Any:
     return (first, *_rest(shape))
 
 
+MAX_BLOCKS = 4  # a draw of up to 4 times the replica's rows is per row (fake, real, ...)
+
+
 def _blocks(step: StepContext, first: Any) -> tuple[Any, Any] | None:
     """`(k, exact)`: the draw is `k` blocks of the replica's rows; None: not per row."""
     rows = tf.get_static_value(step.rows)
     static_first = tf.get_static_value(first) if isinstance(first, tf.Tensor) else first
     if rows is not None and static_first is not None:
-        if rows <= 0 or static_first % rows:
+        if rows <= 0 or static_first % rows or not 0 < static_first // rows <= MAX_BLOCKS:
             return None
         return static_first // rows, True
     if static_first is not None and static_first == 0:
         return None
     first = tf.cast(first, tf.int32)
     safe_rows = tf.maximum(step.rows, 1)
-    return first // safe_rows, tf.logical_and(step.rows > 0, tf.equal(first % safe_rows, 0))
+    k = first // safe_rows
+    exact = tf.logical_and(step.rows > 0, tf.equal(first % safe_rows, 0))
+    return k, tf.logical_and(exact, tf.logical_and(k > 0, k <= MAX_BLOCKS))
 
 
 def _rows_of_blocks(step: StepContext, k: Any) -> tf.Tensor:
@@ -87,7 +92,7 @@ def _consistent(draw: Callable[[Any], tf.Tensor], shape: Any) -> tf.Tensor:
     branches of a `tf.cond`, and must advance no generator itself).
     """
     step = current()
-    if step is None or step.replicas <= 1 and step.probe is None:
+    if step.replicas <= 1 and step.probe is None:
         return draw(shape)
     first = _first_dim(shape)
     found = _blocks(step, first) if first is not None else None
@@ -104,8 +109,22 @@ def _consistent(draw: Callable[[Any], tf.Tensor], shape: Any) -> tf.Tensor:
     return tf.cond(exact, per_row, lambda: draw(shape))
 
 
+def _outside_steps(original: Callable[..., Any], inside: Callable[..., Any]) -> Callable[..., Any]:
+    """`inside` within an own step (`current()`), Keras' `original` everywhere else."""
+
+    @functools.wraps(original)
+    def draw(*args: Any, **kwargs: Any) -> Any:
+        if current() is None:
+            return original(*args, **kwargs)
+        return inside(*args, **kwargs)
+
+    return draw
+
+
 def _keras_draws() -> dict[str, Callable[..., Any]]:
-    """Keras' TensorFlow draws, each taking its seed once and drawing through `_consistent`."""
+    """Keras' TensorFlow draws, each taking its seed once and drawing through `_consistent`
+    (called inside own steps only: `_outside_steps`)."""
+    from keras.src.backend.common.variables import standardize_dtype
     from keras.src.backend.config import floatx
     from keras.src.backend.tensorflow import random as keras_random
     from keras.src.random.seed_generator import draw_seed
@@ -175,7 +194,7 @@ def _keras_draws() -> dict[str, Callable[..., Any]]:
 
     def dropout(inputs: Any, rate: Any, noise_shape: Any = None, seed: Any = None) -> Any:
         step = current()
-        if step is None or (step.replicas <= 1 and step.probe is None):
+        if step.replicas <= 1 and step.probe is None:
             return original_dropout(inputs, rate, noise_shape, seed)
         if (isinstance(rate, (int, float)) and not 0 < rate < 1) or not inputs.shape.rank:
             return original_dropout(inputs, rate, noise_shape, seed)
@@ -233,7 +252,7 @@ def install() -> None:
         from keras.src.backend.tensorflow import random as keras_random
 
         for name, function in _keras_draws().items():
-            setattr(keras_random, name, functools.wraps(getattr(keras_random, name))(function))
+            setattr(keras_random, name, _outside_steps(getattr(keras_random, name), function))
         for name in ("normal", "uniform", "truncated_normal"):
             setattr(tf.random, name, _tensorflow_draw(name, getattr(tf.random, name)))
         _installed.append(True)
