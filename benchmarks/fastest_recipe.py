@@ -210,27 +210,31 @@ def main(argv: list[str] | None = None) -> int:
     say()
     say(f"training samples/s (median over {args.epochs} epochs) and test accuracy after them")
     say(
-        f"  {'condition':<36} {'samples/s':>9} {'ratio':>6} {'GFLOP/s':>8} {'MFU':>6} "
-        f"{'accuracy':>8} {'vs fp32':>7}"
+        f"  {'condition':<36} {'samples/s':>9} {'ratio':>6} {'range':>10} {'GFLOP/s':>8} "
+        f"{'MFU':>6} {'accuracy':>8} {'vs fp32':>7}"
     )
     base = rates["tutorial"]
     reference = accuracy["kit"]
     rows = {}
     for name in names:
         median = statistics.median(rates[name])
-        paired = statistics.median(v / b for v, b in zip(rates[name], base, strict=True))
+        per_round = [v / b for v, b in zip(rates[name], base, strict=True)]
+        paired = statistics.median(per_round)
+        spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
         achieved = median * flops
         peak = roof.get(peaks.compute_dtype_key(conditions[name]["dtype"]))
         mfu = f"{achieved / peak:.3f}" if peak else "-"
         delta = accuracy[name] - reference
         rows[name] = (paired, delta)
         say(
-            f"  {name:<36} {median:>9.0f} {paired:>6.2f} {achieved / 1e9:>8.2f} {mfu:>6} "
+            f"  {name:<36} {median:>9.0f} {paired:>6.2f} {spread:>10} {achieved / 1e9:>8.2f} "
+            f"{mfu:>6} "
             f"{accuracy[name]:>7.1f}% {delta:>+7.1f}"
         )
     say(
-        "  ratio: median over epochs of samples/s / the tutorial's in the same epoch; MFU over "
-        "the CPU roof in the condition's dtype; vs fp32: accuracy points against `kit`."
+        "  ratio: median over epochs of samples/s / the tutorial's in the same epoch (range: "
+        "its min-max); MFU over the CPU roof in the condition's dtype; vs fp32: accuracy "
+        "points against `kit`."
     )
     for name, values in monitor_flops.items():
         if values:
