@@ -201,7 +201,20 @@ def choose_policy(devices: Sequence[ReplicaDevice]) -> PrecisionChoice:
 
 
 def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
-    """The instruction flags in the text of `/proc/cpuinfo` (x86 `flags`, Arm `Features`)."""
+    """The instruction flags in the text of `/proc/cpuinfo` (x86 `flags`, Arm `Features`).
+
+    Args:
+        cpuinfo: The file's text; the first processor's flags are read.
+
+    Returns:
+        The flags (empty when the text has none).
+
+    Example:
+
+    ```python
+    parse_cpu_flags("flags\t: fpu avx512f avx512_bf16\n")  # {"fpu", "avx512f", "avx512_bf16"}
+    ```
+    """
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
@@ -219,8 +232,18 @@ def _cpu_model(cpuinfo: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def this_cpu() -> ReplicaDevice:
-    """This host's CPU as `choose_policy` sees it: model and flags from `/proc/cpuinfo` (read
-    once); its flags are None (unknown: float32) where there is no such file (not Linux)."""
+    """This host's CPU as `choose_policy` sees it.
+
+    Returns:
+        A `ReplicaDevice("cpu", model name, cpu_flags=...)` read from `/proc/cpuinfo` once
+        per process; its flags are None (unknown: float32) where there is no such file.
+
+    Example:
+
+    ```python
+    choose_policy([this_cpu()]).describe()
+    ```
+    """
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
@@ -229,7 +252,17 @@ def this_cpu() -> ReplicaDevice:
 
 
 def log_choice(choice: PrecisionChoice) -> None:
-    """Logs `choice` at INFO once per process (again only for another choice or reason)."""
+    """Logs `choice.describe()` at INFO on the `keras_mirror_kit` logger, once per process.
+
+    Args:
+        choice: What "auto" chose; the same policy and reason are not logged again.
+
+    Example:
+
+    ```python
+    log_choice(choose_policy([this_cpu()]))
+    ```
+    """
     key = (choice.policy, choice.reason)
     with _logged_lock:
         if key in _logged:
