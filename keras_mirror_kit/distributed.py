@@ -19,13 +19,21 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, Generic, ParamSpec, TypeVar
 
 from keras_mirror_kit import backends
 from keras_mirror_kit.distribution import Distribution, activate
 from keras_mirror_kit.model_setup import ModelOptions, prepare_model
-from keras_mirror_kit.precision import policy_scope, validate_policy
+from keras_mirror_kit.precision import (
+    AUTO,
+    PrecisionChoice,
+    choose_policy,
+    log_choice,
+    policy_scope,
+    validate_policy,
+)
 from keras_mirror_kit.scaling import DEFAULT_RULE, validate_rule
 from keras_mirror_kit.scaling import per_replica_batch_size as split_global_batch
 from keras_mirror_kit.validation import check_bool, positive_int
@@ -90,11 +98,19 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             `SlurmClusterResolver()`) for a multi-worker run; implies `"multi_worker"`.
         sync_batch_norm: Make every `BatchNormalization` of the model compute its batch
             statistics across all replicas.
-        mixed_precision: `"mixed_float16"`, `"mixed_bfloat16"` or None: the Keras dtype
-            policy for the layers built in the factory or block (the global policy is
-            restored afterwards); output layers stay float32; float16 gets loss scaling,
-            whose skip-the-step decision every replica takes together
-            (`keras_mirror_kit.workarounds.keras_loss_scale`).
+        mixed_precision: `"auto"`, `"mixed_float16"`, `"mixed_bfloat16"` or None
+            (float32, the default): the Keras dtype policy for the layers built in the
+            factory or block (the global policy is restored afterwards); output layers stay
+            float32; float16 gets loss scaling, whose skip-the-step decision every replica
+            takes together (`keras_mirror_kit.workarounds.keras_loss_scale`). `"auto"`
+            decides from the devices the strategy uses, when it is created: bfloat16 where
+            every one computes it natively (NVIDIA GPUs of compute capability 8.0+; CPUs with
+            AVX512-BF16 or AMX-BF16 in `/proc/cpuinfo`, on TensorFlow), float16 on GPUs of
+            compute capability 7.x, float32 elsewhere (CPUs without those instructions,
+            JAX's CPU devices, devices whose capability or flags are unknown, as on a system
+            without `/proc/cpuinfo`). One INFO line says what it chose and why
+            (`keras_mirror_kit.precision.choose_policy`). Each worker of a cluster decides
+            from its own devices: give a policy by name on unlike hosts.
         steps_per_execution: Steps per compiled call: an integer, or `"auto"` (8); None
             leaves what `compile()` got.
         gradient_accumulation_steps: Micro-batches per optimizer update (default 1: an
@@ -209,6 +225,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         self._strategy_arg = strategy
         self._cluster_resolver = cluster_resolver
         self._lr_scaling_rule = validate_rule(lr_scaling_rule)
+        self._precision_choice: PrecisionChoice | None = None  # what "auto" chose
         self._distribution: Distribution | None = None
         self._lock = threading.Lock()
         self._local = threading.local()  # each thread's open `with` blocks
@@ -243,7 +260,17 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
             gradient_accumulation_steps=self._accumulation,
         )
         logger.info(dist.describe())
+        if self._options.mixed_precision == AUTO:
+            choice = choose_policy(backends.current().precision_devices(engine))
+            log_choice(choice)
+            self._precision_choice = choice
         return dist
+
+    def _model_options(self) -> ModelOptions:
+        """The knobs for a model, `mixed_precision="auto"` decided (the distribution exists)."""
+        if self._precision_choice is None:
+            return self._options
+        return replace(self._options, mixed_precision=self._precision_choice.policy)
 
     def _wants_multi_worker(self) -> bool:
         if isinstance(self._strategy_arg, str) and self._strategy_arg == "multi_worker":
@@ -267,7 +294,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
     def __enter__(self) -> Distribution:
         dist = self.distribution
         with ExitStack() as stack:
-            stack.enter_context(block(dist, self._options))
+            stack.enter_context(block(dist, self._model_options()))
             self._open_blocks().append(stack.pop_all())
         return dist
 
@@ -324,8 +351,8 @@ class DistributedFactory(Generic[P, R]):
         return self._config.distribution
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        options = self._config._options  # noqa: SLF001
         dist = self.distribution
+        options = self._config._model_options()  # noqa: SLF001
         strategy = f"{getattr(self._factory, '__name__', 'build_model')}.distribution.strategy"
         with activate(dist, strategy), policy_scope(options.mixed_precision), factory_running():
             model = self._factory(*args, **kwargs)

@@ -48,7 +48,8 @@ logger = logging.getLogger("keras_mirror_kit")
 class ModelOptions:
     """The per-model knobs of a `distributed()`: mixed precision, sync BN, steps per call."""
 
-    mixed_precision: str | None = None  # "mixed_float16", "mixed_bfloat16" or None
+    # "mixed_float16", "mixed_bfloat16" or None; "auto" until `distributed()` decides it
+    mixed_precision: str | None = None
     sync_batch_norm: bool = False  # BatchNormalization layers get synchronized statistics
     steps_per_execution: int | None = None  # None: left as `compile()` set it
 

@@ -58,6 +58,8 @@ def test_example_help_lists_the_flags(tmp_path):
         "--data-url",
         "--checkpoint-dir",
         "--simulate-replicas",
+        "--mixed-precision",
+        "--steps-per-execution",
         "--wandb",
         "--output",
     ):
@@ -228,9 +230,24 @@ def test_cli_info_reports_versions_devices_and_choice(tmp_path):
     assert info["would_choose"]["replicas"] == 2
     assert info["would_choose"]["all_reduce"] == "reduction_to_one_device"
     assert info["tf_config"] is None
+    # The recipe: what mixed_precision="auto" picks on this CPU (bfloat16 instructions or
+    # not, whichever this host has), and why.
+    from keras_mirror_kit.precision import choose_policy, this_cpu
+
+    expected = choose_policy([this_cpu()])
+    assert info["recipe"] == {
+        "call": 'distributed(mixed_precision="auto", steps_per_execution="auto")',
+        "mixed_precision": expected.label,
+        "why": expected.reason,
+        "steps_per_execution": 8,
+    }
     text = run(["-m", "keras_mirror_kit.cli", "info"], tmp_path)
     assert text.returncode == 0 and "NCCL usable      no" in text.stdout
     assert "MirroredStrategy" in text.stdout
+    assert (
+        'Recipe           distributed(mixed_precision="auto", steps_per_execution="auto"): '
+        f"{expected.label} ({expected.reason}), 8 steps per execution"
+    ) in text.stdout
     assert_first_screen_is_quiet(text.stderr)
 
 
@@ -239,14 +256,16 @@ def test_cli_info_reports_versions_devices_and_choice(tmp_path):
 def test_example_runs_on_jax(tmp_path):
     """The same script with KERAS_BACKEND=jax: DataParallel over 2 simulated CPU devices,
     with its checkpoints (their resume on JAX: tests/test_jax_checkpoints.py). 512 samples
-    make 4 steps: 2 of the ThroughputMonitor's warm-up, 2 measured for its summary."""
+    make 4 steps, 2 per execution: 2 of the ThroughputMonitor's warm-up, 2 measured for its
+    summary. "auto" mixed precision is float32 on JAX's CPU devices, whatever the CPU."""
     args = [EXAMPLE, "--epochs", "1", "--simulate-replicas", "2", "--train-samples", "512",
-            "--data", "synthetic", "--checkpoint-dir", "ckpt",
+            "--steps-per-execution", "2", "--data", "synthetic", "--checkpoint-dir", "ckpt",
             "--output", "out/model.keras"]  # fmt: skip
     proc = run(args, tmp_path, env={"KERAS_BACKEND": "jax"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "DataParallel on cpu:0, cpu:1 (2 replicas)" in proc.stderr
     assert "global batch 128 = 64 per replica x 2" in proc.stderr
+    assert 'mixed_precision="auto" chose float32: CPU ' in proc.stderr
     summary = [
         line for line in proc.stderr.splitlines() if "ThroughputMonitor: throughput" in line
     ]
@@ -273,6 +292,7 @@ def test_cli_info_on_jax_shows_its_devices_and_choice(tmp_path):
         "replicas": 2,
         "all_reduce": "xla-spmd",
     }
+    assert info["recipe"]["mixed_precision"] == "float32"  # JAX's CPU: float32, whatever CPU
     cluster = {
         "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
         "task": {"type": "worker", "index": 0},

@@ -24,8 +24,10 @@ import re
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
+from keras_mirror_kit import precision
 from keras_mirror_kit.backends.jax_state import (  # the checkpoints' reads and checks
     differing_copies,
     finite_check,
@@ -403,6 +405,41 @@ def gpu_identity(gpu_indices: Sequence[int]) -> tuple[str, bool, int]:
     as_tf32 = precision is None or str(precision).lower() in _TF32_PRECISIONS
     tf32 = capability >= (8, 0) and as_tf32
     return str(first.device_kind), tf32, len(set(gpu_indices))
+
+
+#: Why "auto" keeps float32 on JAX's CPU devices even with bfloat16 instructions: measured on
+#: an AVX512-BF16 CPU (JAX 0.10, the tutorial CNN), `mixed_bfloat16` trained at 0.55-0.9x
+#: float32's samples/s.
+_XLA_CPU_BFLOAT16 = "XLA's CPU kernels run bfloat16 slower than float32, as measured"
+
+
+def precision_devices(engine: Engine) -> list[precision.ReplicaDevice]:
+    """The replicas' devices as `mixed_precision="auto"` sees them (`precision.choose_policy`):
+    a GPU's `device_kind` and `compute_capability` (none on ROCm: float32), a TPU, this
+    host's CPU (float32 on JAX whatever its flags, `_XLA_CPU_BFLOAT16`)."""
+    import jax
+
+    found = []
+    for entry in engine.strategy.device_mesh.devices.ravel():
+        platform, index = _canonical(str(entry))  # Keras' mesh holds names ("gpu:0")
+        platform = "gpu" if platform in ("cuda", "rocm") else platform
+        if platform == "cpu":
+            found.append(replace(precision.this_cpu(), no_native_bfloat16=_XLA_CPU_BFLOAT16))
+            continue
+        try:
+            device = next(d for d in jax.devices(platform) if d.id == index)
+        except (RuntimeError, StopIteration):  # unknown here: float32
+            found.append(precision.ReplicaDevice(platform, str(entry)))
+            continue
+        capability = None
+        try:
+            major, minor = str(device.compute_capability).split(".")[:2]
+            capability = (int(major), int(minor))
+        except (AttributeError, ValueError):  # a TPU, or a ROCm GPU (float32)
+            capability = None
+        name = str(getattr(device, "device_kind", "") or str(entry))
+        found.append(precision.ReplicaDevice(platform, name, compute_capability=capability))
+    return found
 
 
 #: Why `check_replicas` (`doctor --model`) does not run on this backend; None: it does.

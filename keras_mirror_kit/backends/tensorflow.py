@@ -11,14 +11,17 @@ workarounds of `keras_mirror_kit.workarounds`, and the replica-side preprocessin
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 import tensorflow as tf
 
-from keras_mirror_kit import own_steps
+from keras_mirror_kit import own_steps, precision
 from keras_mirror_kit.backends import tensorflow_preprocess
 from keras_mirror_kit.backends.tensorflow_state import (  # the checkpoints' reads and checks
     differing_copies,
@@ -38,6 +41,7 @@ from keras_mirror_kit.devices import (
     warn_if_gpus_unused,
 )
 from keras_mirror_kit.devices import simulate_replicas as simulate_replicas
+from keras_mirror_kit.precision import ReplicaDevice
 from keras_mirror_kit.workarounds import (
     keras_ema_overwrite,
     keras_grad_accumulation,
@@ -274,14 +278,20 @@ def count_training_flops(model: Any, input_specs: Any, label_spec: Any) -> Any:
     return tensorflow_flops.count_training_flops(model, input_specs, label_spec)
 
 
+def _logical_gpu_owners(physical: Sequence[Any]) -> list[int]:
+    """Logical GPU index -> the position in `physical` of the GPU it was split from."""
+    owner: list[int] = []
+    for position, device in enumerate(physical):
+        configs = tf.config.get_logical_device_configuration(device) or [None]
+        owner.extend([position] * len(configs))
+    return owner
+
+
 def gpu_identity(gpu_indices: Sequence[int]) -> tuple[str, bool, int]:
     """The first replica GPU's name, whether float32 matmuls run as TF32 on it, and how many
     physical GPUs the replicas' (logical) GPUs `gpu_indices` are on."""
     physical = tf.config.get_visible_devices("GPU")
-    owner: list[int] = []  # logical GPU index -> physical GPU position
-    for position, device in enumerate(physical):
-        configs = tf.config.get_logical_device_configuration(device) or [None]
-        owner.extend([position] * len(configs))
+    owner = _logical_gpu_owners(physical)
     used = sorted({owner[i] for i in gpu_indices if i < len(owner)}) or [0]
     name = "unknown GPU"
     tf32 = False
@@ -294,6 +304,36 @@ def gpu_identity(gpu_indices: Sequence[int]) -> tuple[str, bool, int]:
             and tf.config.experimental.tensor_float_32_execution_enabled()
         )
     return name, tf32, len(used)
+
+
+def precision_devices(engine: Engine) -> list[ReplicaDevice]:
+    """The replicas' devices as `mixed_precision="auto"` sees them (`precision.choose_policy`):
+    a GPU's name and compute capability (`get_device_details`; a logical GPU is its physical
+    one's), this host's CPU with its `/proc/cpuinfo` flags (TensorFlow's oneDNN kernels use
+    AVX512-BF16 and AMX, unless `TF_ENABLE_ONEDNN_OPTS=0`)."""
+    physical = tf.config.get_visible_devices("GPU")
+    owner = _logical_gpu_owners(physical)
+    found: list[ReplicaDevice] = []
+    for name in engine.devices:
+        match = re.search(r"(GPU|CPU|TPU):(\d+)$", name, re.I)
+        kind = match.group(1).lower() if match else "other"
+        if kind == "cpu":
+            cpu = precision.this_cpu()
+            if os.environ.get("TF_ENABLE_ONEDNN_OPTS", "").strip().lower() in ("0", "false"):
+                cpu = replace(cpu, no_native_bfloat16="TF_ENABLE_ONEDNN_OPTS=0 turns off oneDNN")
+            found.append(cpu)
+        elif kind == "gpu":
+            index = int(match.group(2))  # type: ignore[union-attr]
+            details: dict[str, Any] = {}
+            if index < len(owner):
+                details = tf.config.experimental.get_device_details(physical[owner[index]])
+            capability = details.get("compute_capability")  # absent on ROCm: float32
+            name_of = str(details.get("device_name") or f"GPU:{index}")
+            cc = (int(capability[0]), int(capability[1])) if capability else None
+            found.append(ReplicaDevice("gpu", name_of, compute_capability=cc))
+        else:
+            found.append(ReplicaDevice(kind, name))
+    return found
 
 
 #: Why `check_replicas` (`doctor --model`) does not run on this backend; None: it does.

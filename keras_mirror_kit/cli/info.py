@@ -90,6 +90,7 @@ def collect(
         "replicas": dist.num_replicas,
         "all_reduce": dist.cross_device_ops,
     }
+    info["recipe"] = recipe(backend, dist)
     if per_replica_batch_size is not None or gradient_accumulation_steps > 1:
         info["would_choose"].update(
             per_replica_batch_size=dist.per_replica_batch_size,
@@ -98,6 +99,20 @@ def collect(
             effective_batch_size=dist.effective_batch_size,
         )
     return info
+
+
+def recipe(backend: Any, dist: Any) -> dict[str, Any]:
+    """The recommended knobs (docs/performance.md) on `dist`'s devices, and why."""
+    from keras_mirror_kit.distributed import AUTO_STEPS_PER_EXECUTION
+    from keras_mirror_kit.precision import choose_policy
+
+    choice = choose_policy(backend.precision_devices(dist.engine))
+    return {
+        "call": 'distributed(mixed_precision="auto", steps_per_execution="auto")',
+        "mixed_precision": choice.label,
+        "why": choice.reason,
+        "steps_per_execution": AUTO_STEPS_PER_EXECUTION,
+    }
 
 
 def print_table(info: dict[str, Any]) -> None:
@@ -136,6 +151,15 @@ def print_table(info: dict[str, Any]) -> None:
                 "accumulation steps"
             ]
             if "effective_batch_size" in chosen
+            else []
+        ),
+        *(
+            [
+                f"Recipe           {info['recipe']['call']}: "
+                f"{info['recipe']['mixed_precision']} ({info['recipe']['why']}), "
+                f"{info['recipe']['steps_per_execution']} steps per execution"
+            ]
+            if "recipe" in info
             else []
         ),
         *(f"WARNING: {warning}" for warning in info["warnings"]),

@@ -310,16 +310,9 @@ def cpu_name() -> str:
 
 def cpu_has_bfloat16() -> bool:
     """Whether `/proc/cpuinfo` lists bfloat16 instructions (`avx512_bf16`, `amx_bf16`)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
-            break
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    from keras_mirror_kit.precision import CPU_BFLOAT16_FLAGS, this_cpu
+
+    return bool((this_cpu().cpu_flags or frozenset()) & CPU_BFLOAT16_FLAGS)
 
 
 def roof_path() -> Path:
