@@ -10,7 +10,8 @@ holds and of its own seed generator, and every figure `fit` logs, agree to 1e-6,
 Adam on 29 rows (a last batch of 5, split 3/2) and, for the keras-io models, with SGD on
 32 (even). A loss written
 for another replica count is refused before any step; a killed GAN resumes bit for bit;
-state no checkpoint holds is named (a stateful random op refused) before any step; `doctor --model` names the own
+state no checkpoint holds is named (a stateful random op refused) before any step;
+`doctor --model` names the own
 step (`@slow`: a child process).
 """
 

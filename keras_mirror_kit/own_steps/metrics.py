@@ -52,12 +52,12 @@ class StepMetrics:
     def read(self, metric: Any, result: Any) -> None:
         """Notes the leaves of a `metric.result()` read in the step."""
         for index, leaf in enumerate(tf.nest.flatten(result)):
-            self._results[id(leaf)] = (metric, index)
+            self._results.append((leaf, metric, index))
 
     def finish(self, step: StepContext, figures: list[tf.Tensor]) -> tuple[list[Any], Any]:
-        """Adds every replica's changes to every copy (one all-reduce with the share-weighted
-        `figures`); returns the summed figures and a function giving a result leaf read
-        again after that (or None for a leaf no result gave)."""
+        """Makes the metrics whole (one all-reduce with the share-weighted `figures`); returns
+        the summed figures and a function giving a result leaf read again with one device's
+        values (or None for a leaf no result gave)."""
         touched = list(self._before.values())
         changes = [
             tf.identity(v) - b
@@ -67,20 +67,30 @@ class StepMetrics:
         share = step.share
         weighted = [f * tf.cast(share, f.dtype) for f in figures]
         summed = step.all_reduce([*changes, *weighted]) if changes or weighted else []
-        assigns = []
-        position = 0
+        n, position = step.replicas, 0
+        whole: list[tuple[Any, Any, bool]] = []  # (variable, one device's value, split)
         for _, variables, before in touched:
             for variable, base in zip(variables, before, strict=True):
-                assigns.append(variable.assign(base + summed[position]))
+                split = variable.dtype.is_floating  # each copy holds 1/N of it
+                one = base * tf.cast(n, base.dtype) if split else base
+                whole.append((variable, one + summed[position], split))
                 position += 1
+        in_place = [variable.assign(value) for variable, value, _ in whole]
+        read_back: dict[int, list[tf.Tensor]] = {}
+        with tf.control_dependencies(in_place):
+            for metric in {id(m): m for _, m, _ in self._results}.values():
+                read_back[id(metric)] = [tf.identity(r) for r in tf.nest.flatten(metric.result())]
+        reads = [r for values in read_back.values() for r in values]
+        with tf.control_dependencies(reads or in_place):
+            for variable, value, split in whole:
+                if split:
+                    variable.assign(value / tf.cast(n, value.dtype))
 
         def again(leaf: Any) -> Any:
-            found = self._results.get(id(leaf))
-            if found is None:
-                return None
-            metric, index = found
-            with tf.control_dependencies(assigns):
-                return tf.nest.flatten(metric.result())[index]
+            for found, metric, index in self._results:
+                if found is leaf:
+                    return read_back[id(metric)][index]
+            return None
 
         return list(summed[position:]), again
 

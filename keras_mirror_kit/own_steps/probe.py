@@ -171,16 +171,16 @@ def probe_batch(iterator: Any, strategy: Any, batch: Any) -> tuple[Any, bool]:
     return _synthetic(spec, ROWS_PER_REPLICA * int(strategy.num_replicas_in_sync)), False
 
 
+def _batched(leaf: Any) -> bool:
+    return isinstance(leaf, (tf.Tensor, np.ndarray)) and len(leaf.shape) > 0
+
+
 def _first_rows(whole: Any, rows: int) -> Any:
     """`whole` cut to its first `rows` rows, where every batched tensor has that many."""
-    leaves = [leaf for leaf in tf.nest.flatten(whole) if isinstance(leaf, (tf.Tensor, np.ndarray))]
-    batched = [leaf for leaf in leaves if len(leaf.shape)]
+    batched = [leaf for leaf in tf.nest.flatten(whole) if _batched(leaf)]
     if not batched or any(leaf.shape[0] is None or leaf.shape[0] < rows for leaf in batched):
         return whole
-    return tf.nest.map_structure(
-        lambda leaf: leaf[:rows] if isinstance(leaf, (tf.Tensor, np.ndarray)) and len(leaf.shape) else leaf,
-        whole,
-    )
+    return tf.nest.map_structure(lambda leaf: leaf[:rows] if _batched(leaf) else leaf, whole)
 
 
 def _components(variable: Any, strategy: Any) -> list[Any]:
@@ -341,7 +341,8 @@ def run_probe(
     replicas = int(strategy.num_replicas_in_sync)
     local = len(strategy.extended.worker_devices)
     rows = _first_rows(whole, ROWS_PER_REPLICA * local)
-    batch = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(rows))))
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(rows))
+    batch = next(iter(dataset))
     eager = bool(getattr(model, "run_eagerly", False))
     saved = _Saved(model, strategy, extra)
     many = Probe()

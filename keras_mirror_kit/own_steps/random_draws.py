@@ -124,7 +124,6 @@ def _outside_steps(original: Callable[..., Any], inside: Callable[..., Any]) -> 
 def _keras_draws() -> dict[str, Callable[..., Any]]:
     """Keras' TensorFlow draws, each taking its seed once and drawing through `_consistent`
     (called inside own steps only: `_outside_steps`)."""
-    from keras.src.backend.common.variables import standardize_dtype
     from keras.src.backend.config import floatx
     from keras.src.backend.tensorflow import random as keras_random
     from keras.src.random.seed_generator import draw_seed
