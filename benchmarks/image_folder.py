@@ -1,6 +1,6 @@
-"""Image folders and TFRecords: the kit's loaders against Keras' own, and resume latency.
+"""Image folders and TFRecords: the kit's loaders against Keras' own, resume and epoch start.
 
-Three measurements, on folders of JPEG files this script writes into a temporary
+Four measurements, on folders of JPEG files this script writes into a temporary
 directory (or `--dir`; 10 class subdirectories; smooth gradients with noise, quality 90):
 
 1. **Images per second**, steady state (`--epochs` epochs per round of the same dataset
@@ -37,7 +37,7 @@ directory (or `--dir`; 10 class subdirectories; smooth gradients with noise, qua
    same 480 images as a table and as TFRecord shards. Per round (`--small-rounds`, the
    loaders alternating, the order reversed every other round), one whole epoch of each:
    the time from the iterator's creation to its first batch, the CPU time of creating
-   the iterator (`time.process_time`: what a loaded host does not inflate), and the
+   the iterator (`time.process_time`, which a loaded host inflates less), and the
    images/s of the whole epoch (creation to last batch); medians, and the median of the
    per-round ratios. Folder: the kit's `image_dataset_from_directory` against Keras'
    `keras.utils.image_dataset_from_directory` (targets: first batch <= Keras', epoch
@@ -546,7 +546,7 @@ def small_folder(base: Path, rounds: int) -> None:
 
 
 def main() -> int:
-    """Runs the three measurements and prints their tables (0 unless a child failed)."""
+    """Runs the four measurements and prints their tables (0 unless a child failed)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--files", type=int, default=5000)
     parser.add_argument("--rss-files", default="5000,20000")
