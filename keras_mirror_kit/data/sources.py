@@ -112,8 +112,9 @@ def index_batches(
     few ops, since tf.data instantiates it (Grappler optimizing each op) at every epoch.
     """
     full = n % batch_size == 0 or n // batch_size == num_batches  # every batch is whole
-    offsets = tf.range(batch_size, dtype=tf.int64)
-    last_index = tf.constant(n - 1, tf.int64)
+    with tf.device("/cpu:0"):  # captured by the input pipeline, which runs on the host
+        offsets = tf.range(batch_size, dtype=tf.int64)
+        last_index = tf.constant(n - 1, tf.int64)
 
     def next_batch(state: tf.Tensor, step: tf.Tensor) -> Any:
         # The iterator's first batch reads the cursor and moves it on; later ones keep it.
