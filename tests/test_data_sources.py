@@ -618,3 +618,21 @@ def test_a_table_is_gathered_in_the_scan_that_orders_it():
             for x, y in ds]  # fmt: skip
     assert sorted(sum((r[2] for r in rows), [])) == list(range(20))
     assert all(c0 == labels and c4 == [v + 4 for v in labels] for c0, c4, labels in rows)
+
+
+@pytest.mark.parametrize("n", [1003, 70001], ids=["order-copied", "order-behind-a-cond"])
+def test_an_arrays_epoch_order_is_its_stateless_shuffle_resumed_or_not(n):
+    """Up to 65,536 samples the order is carried by a copy, above it behind a `tf.cond`:
+    either way `stateless_shuffle(range(n), [seed, epoch])`, cut into batches."""
+    batch = 10 if n < 2000 else 8192
+    ds = kmk.make_dataset(np.arange(n), None, batch, seed=7, drop_remainder=False)
+    kmk.cursor_of(ds).set(epoch=2, skip_batches=3)
+    resumed, following = [b.numpy() for b in ds], [b.numpy() for b in ds]
+    order = {
+        e: tf.random.experimental.stateless_shuffle(tf.range(n, dtype=tf.int64), [7, e]).numpy()
+        for e in (2, 3)
+    }
+    positions = list(range(3, -(-n // batch))) + [0, 1, 2]
+    expected = [order[2][p * batch : p * batch + batch] for p in positions]
+    assert all(np.array_equal(a, b) for a, b in zip(resumed, expected, strict=True))
+    np.testing.assert_array_equal(np.concatenate(following), order[3])
