@@ -549,3 +549,97 @@ def test_image_headers_are_checked_in_threads_in_order_when_reading_is_slow(
     bad[1].write_bytes(b"\x89PNG nor this")
     with pytest.raises(image_headers.ImageHeaderError, match="a.jpg"):
         image_headers.check_image_files([*paths, *map(str, bad)], 10**6)
+
+
+def _functions(dataset) -> dict[str, list[str]]:
+    """{function name: its ops} of every tf.data function in `dataset`'s graph."""
+    from tensorflow.core.framework import graph_pb2
+
+    graph = graph_pb2.GraphDef()
+    graph.ParseFromString(dataset._as_serialized_graph().numpy())
+    return {f.signature.name: [node.op for node in f.node_def] for f in graph.library.function}
+
+
+CONTROL_FLOW = {"If", "StatelessIf", "While", "StatelessWhile"}
+
+
+@pytest.fixture(scope="module")
+def jpegs(tmp_path_factory):
+    root = data_files.image_folder(tmp_path_factory.mktemp("jpegs"))
+    for png in root.glob("*/*.png"):
+        png.unlink()
+    return root
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"augment": kmk.random_crop_flip()}, {"shuffle": False, "label_mode": "categorical"}],
+    ids=["default", "crop", "unshuffled-categorical"],
+)
+def test_an_epoch_of_a_folder_starts_two_functions_without_a_branch(jpegs, kwargs):
+    """Every epoch's iterator instantiates (and Grappler optimizes) each function again:
+    one worker's folder has a scan (cursor, ids, files) and a per-file decode, neither
+    with a `tf.cond` or a `tf.map_fn` (before: 45 ms to the first batch of 480 small
+    JPEGs against Keras' 14 ms; `benchmarks/image_folder.py`). Only a crop of a folder
+    that mixes JPEG and other files decides per file how to decode it."""
+    ds = kmk.image_dataset_from_directory(jpegs, image_size=SIZE, batch_size=4, seed=1, **kwargs)
+    functions = _functions(ds)
+    working = [name for name, ops in functions.items() if set(ops) - {"Identity"}]
+    assert len(working) == 2, sorted(functions)
+    assert not [name for name, ops in functions.items() if CONTROL_FLOW & set(ops)]
+
+
+def test_an_iteration_reads_the_cursor_once_and_its_later_batches_leave_it(images):
+    ds = kmk.image_dataset_from_directory(images, image_size=SIZE, batch_size=4, seed=1)
+    cursor = kmk.cursor_of(ds)
+    iterator = iter(ds)
+    next(iterator)  # reads epoch 0 and moves the cursor on
+    assert cursor.get() == (1, 0)
+    cursor.set(epoch=7, skip_batches=2)
+    for _ in iterator:  # the rest of epoch 0: their scan steps write no key that is read
+        pass
+    assert cursor.get() == (7, 2)
+
+
+def test_the_folder_order_is_index_shuffle_of_the_positions(tmp_path):
+    """The epoch's order stays `tf.random.experimental.index_shuffle(i, [seed, epoch])` of
+    the indexed files (the kit runs its op directly, with the seed its wrapper makes)."""
+    ds = kmk.text_dataset_from_directory(
+        data_files.text_folder(tmp_path), batch_size=3, seed=5, label_mode=None
+    )
+    kmk.cursor_of(ds).set(epoch=3)
+    got = [text.decode() for batch in ds for text in batch.numpy()]
+    n = len(ds.file_paths)
+    ids = tf.random.experimental.index_shuffle(tf.range(n, dtype=tf.int64), [5, 3], n - 1)
+    texts = [open(ds.file_paths[i], encoding="utf-8").read() for i in ids.numpy()]
+    assert len(got) == n == 18 and got == texts
+
+
+def test_a_table_is_gathered_in_the_scan_that_orders_it():
+    """A table's rows are gathered where the epoch is ordered: no map to instantiate at
+    every epoch's start (unless a `preprocess` runs)."""
+    frame = pd.DataFrame({f"c{i}": np.arange(20.0) + i for i in range(5)})
+    ds = kmk.make_dataset(frame, np.arange(20), 4, seed=1)
+    assert not [name for name in _functions(ds) if "Dataset_map" in name]
+    rows = [(x["c0"].numpy().tolist(), x["c4"].numpy().tolist(), y.numpy().tolist())
+            for x, y in ds]  # fmt: skip
+    assert sorted(sum((r[2] for r in rows), [])) == list(range(20))
+    assert all(c0 == labels and c4 == [v + 4 for v in labels] for c0, c4, labels in rows)
+
+
+@pytest.mark.parametrize("n", [1003, 70001], ids=["order-copied", "order-behind-a-cond"])
+def test_an_arrays_epoch_order_is_its_stateless_shuffle_resumed_or_not(n):
+    """Up to 65,536 samples the order is carried by a copy, above it behind a `tf.cond`:
+    either way `stateless_shuffle(range(n), [seed, epoch])`, cut into batches."""
+    batch = 10 if n < 2000 else 8192
+    ds = kmk.make_dataset(np.arange(n), None, batch, seed=7, drop_remainder=False)
+    kmk.cursor_of(ds).set(epoch=2, skip_batches=3)
+    resumed, following = [b.numpy() for b in ds], [b.numpy() for b in ds]
+    order = {
+        e: tf.random.experimental.stateless_shuffle(tf.range(n, dtype=tf.int64), [7, e]).numpy()
+        for e in (2, 3)
+    }
+    positions = list(range(3, -(-n // batch))) + [0, 1, 2]
+    expected = [order[2][p * batch : p * batch + batch] for p in positions]
+    assert all(np.array_equal(a, b) for a, b in zip(resumed, expected, strict=True))
+    np.testing.assert_array_equal(np.concatenate(following), order[3])
