@@ -49,7 +49,7 @@ from keras_mirror_kit.checkpoint.snapshot import (
     StateSnapshot,
     take_snapshot,
 )
-from keras_mirror_kit.checkpoint.start_state import StartState
+from keras_mirror_kit.checkpoint.start_state import StartPoint, return_to_start
 from keras_mirror_kit.checkpoint.state import build_optimizer, check_reachable, state_variables
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.fit_inputs import kit_pipeline
@@ -258,7 +258,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._cursor: DatasetCursor | None = cursor  # the one this fit() resumes by
         # What arrange_callbacks placed for the fit() under way: stateful callbacks, hooks.
         self._arranged: tuple[list[tuple[str, Any]], LoopHook, LoopHook] | None = None
-        self._start_state: StartState | None = None  # until this fit()'s first checkpoint
+        self._start: StartPoint | None = None  # fit-start.kmk: until this fit()'s 1st checkpoint
         self._reset_run_state()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -348,35 +348,40 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._best.begin(lambda name: metric_direction(self.model, name))
         # The architecture, for export outside fit (keras-mirror-kit ckpt export).
         self._model_config = model_config(self.model) if self._is_chief else None
-        if self.restore:
+        retry = self._start is not None and self._start.belongs_to(self.model, self._fit.index)
+        if self.restore and retry:  # this fit() raised before its first checkpoint
+            check_workers_agree(self.model, None, 0, self.directory)  # the chief's file is in
+            return_to_start(self._store, self.model, self._cursor, self.directory)
+        elif self.restore:
             self._restore()
             check_workers_agree(self.model, self.last_restored, self._resume_skip, self.directory)
-        self._keep_or_return_to_start()
         if self.async_save and self._is_chief:  # one host copy of the state, for this fit
             self._staging.prepare(state_variables(self.model))
+        if not retry:
+            self._write_start()
         self._preemption.start(self.model)  # save on SIGTERM (preemption.py)
 
-    def _keep_or_return_to_start(self) -> None:
-        """A fit() from scratch keeps its start state; its retry (it raised before its first
-        checkpoint) goes back to it, so that no batch is trained twice."""
-        if self.last_restored is not None:  # resumed from a checkpoint: it is the start
-            self._start_state = None
+    def _write_start(self) -> None:
+        """A fit() from scratch writes the state it starts from (fit-start.kmk), which its retry
+        goes back to if it raises before its first checkpoint (checkpoint/start_state.py)."""
+        self._start = None
+        resumed = self.last_restored is not None or self.model._initial_epoch is not None  # noqa: SLF001
+        if not self.restore or resumed:
+            if self._is_chief:
+                self._store.remove_start()  # an earlier run's: nothing goes back to it
             return
-        kept = self._start_state
-        if (
-            self.restore
-            and kept is not None
-            and kept.belongs_to(self.model, self._fit.index)
-            and kept.restore()  # False (with a WARNING) when the variables changed
-        ):
-            logger.info(
-                "keras-mirror-kit: this fit() raised before its first checkpoint in %s; the "
-                "model, its optimizer and random state are back at the state that fit() "
-                "started from (kept in memory), so no batch is trained twice",
-                self.directory,
-            )
+        staging = self._staging if self.async_save and self._is_chief else None
+        snapshot = take_snapshot(state_variables(self.model), True, staging)  # as it is
+        self._start = StartPoint(self.model, self._fit.index)
+        if not self._is_chief:
+            snapshot.release()
             return
-        self._start_state = StartState(self.model, self._fit.index)
+        meta = self._meta(snapshot, epoch=0, step=0, epoch_end=True, stopped=False, logs=None)
+        write = self._store.write_start
+        if self.async_save:
+            self._writer.submit(lambda: write(snapshot.items(), meta))
+        else:
+            write(snapshot.items(), meta)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if self._steps_in_fit and self._preemption.pending():  # no collective here
@@ -457,11 +462,13 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                 # A callback after this one stopped the fit, or EarlyStopping put its best
                 # weights back: the final state is what a rerun must find.
                 self._save(epoch=epoch, step=step, epoch_end=epoch_end, stopped=stopped)
-        self._start_state = None  # this fit() ended: none of its batches is retried
+        started, self._start = self._start, None  # this fit() ended: nothing is retried
         _FITS.completed(self.model, self.directory, self._fit)
         self._resume_epoch = None
         self._resume_skip = 0
         self.wait_for_pending_save()  # fit() returns once every checkpoint is written
+        if started is not None and self._is_chief:
+            self._store.remove_start()
         if self._preemption.finish(self._steps_in_fit):  # a signal in the last epoch's end
             self._raise_preempted()
 
@@ -598,11 +605,32 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                 self._reported_batch_norm = True
                 log_batch_norm_gap(gap)
         self._last_save = (int(epoch), int(step), bool(epoch_end), bool(stopped))
-        self._start_state = None  # a retry resumes from this checkpoint
+        # A retry resumes from this checkpoint, not from the start (unless it cannot).
+        ends_start = self._start is not None and (
+            epoch_end or stopped or self._store.mid_epoch_resumable
+        )
         if not self._is_chief:
             snapshot.release()
+            self._start = None if ends_start else self._start
             return
-        meta = CheckpointMeta(
+        meta = self._meta(snapshot, epoch, step, epoch_end, stopped, logs)
+        if self.async_save:
+            self._writer.submit(lambda: self._write(snapshot, meta, ends_start))
+        else:
+            self._write(snapshot, meta, ends_start)
+        self._start = None if ends_start else self._start
+
+    def _meta(
+        self,
+        snapshot: StateSnapshot,
+        epoch: int,
+        step: int,
+        epoch_end: bool,
+        stopped: bool,
+        logs: dict[str, Any] | None,
+    ) -> CheckpointMeta:
+        """The metadata of a save of `snapshot` (its callbacks' states and score included)."""
+        return CheckpointMeta(
             epoch=int(epoch),
             step=int(step),
             epoch_end=bool(epoch_end),
@@ -619,15 +647,13 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             score=self._best.score(logs, epoch_end and logs is not None, epoch),
             model_config=self._model_config,
         )
-        if self.async_save:
-            self._writer.submit(lambda: self._write(snapshot, meta))
-        else:
-            self._write(snapshot, meta)
 
-    def _write(self, snapshot: StateSnapshot, meta: CheckpointMeta) -> None:
+    def _write(self, snapshot: StateSnapshot, meta: CheckpointMeta, ends_start: bool) -> None:
         """Writes a snapshot, one variable at a time (in the background with async_save)."""
         path = self._store.write(snapshot.items(), meta)
         logger.debug("keras-mirror-kit: wrote %s (epoch %d, step %d)", path, meta.epoch, meta.step)
+        if ends_start:  # a retry resumes from this checkpoint now
+            self._store.remove_start()
 
     def _epochs(self) -> int | None:
         epochs = self.params.get("epochs") if self.params else None
