@@ -123,7 +123,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
 
     Only the chief process writes (`Distribution.is_chief`). After `fit` returns, a later
     `fit` on the same model behaves normally: it neither restores again nor skips epochs.
-    After a `fit` that raised, the same instance resumes exactly as a new one would.
+    After a `fit` that raised, the same instance resumes exactly as a new one would; one
+    that raised before its first checkpoint goes back to the state it started from, which a
+    `fit` from scratch writes to `fit-start.kmk` in the directory at `on_train_begin`
+    (streamed like a save, no host copy kept; deleted at its first checkpoint).
 
     To see the other callbacks, `SyncedCheckpoint` is handed the list of `fit()`'s
     callbacks (`keras_mirror_kit.fit_hooks`, for any model); its epoch-end save then runs
@@ -349,15 +352,16 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         # The architecture, for export outside fit (keras-mirror-kit ckpt export).
         self._model_config = model_config(self.model) if self._is_chief else None
         retry = self._start is not None and self._start.belongs_to(self.model, self._fit.index)
+        returned = False
         if self.restore and retry:  # this fit() raised before its first checkpoint
             check_workers_agree(self.model, None, 0, self.directory)  # the chief's file is in
-            return_to_start(self._store, self.model, self._cursor, self.directory)
+            returned = return_to_start(self._store, self.model, self._cursor, self.directory)
         elif self.restore:
             self._restore()
             check_workers_agree(self.model, self.last_restored, self._resume_skip, self.directory)
         if self.async_save and self._is_chief:  # one host copy of the state, for this fit
             self._staging.prepare(state_variables(self.model))
-        if not retry:
+        if not returned:  # (a start not put back: this attempt's is written instead)
             self._write_start()
         self._preemption.start(self.model)  # save on SIGTERM (preemption.py)
 
