@@ -189,9 +189,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         CheckpointLockedError: At `on_train_begin`, when another live run holds the
             directory's lock (`writer.lock`; a stale one is taken over with a
             `StaleLockWarning`).
-        CheckpointWriteError: When a save fails (disk full, read-only); earlier
-            checkpoints stay intact. With `async_save=True`, at the next training step
-            or at the end of `fit`.
+        CheckpointWriteError: When a save, or the write of `fit-start.kmk` at
+            `on_train_begin`, fails (disk full, read-only); earlier checkpoints stay
+            intact. With `async_save=True`, at the next training step or at the end of
+            `fit`.
         ReplicaDivergenceError: When replicas diverged (with `verify_replicas=True`).
         Preempted: From `fit()`, after a stop signal, once the step reached is saved (a
             `SystemExit`: the process ends with status 75 unless it is caught).
