@@ -30,7 +30,9 @@ Figures:
   lowest peaks show what the saves need); and within the run: the peak after the first
   save minus the peak before it.
 * the time at the start of `fit`: the callbacks' `on_train_begin` (for the kit: the lock,
-  the checks, the write of `fit-start.kmk`, and with `async_save` the staging arrays).
+  the checks, the write of `fit-start.kmk`, and with `async_save` the staging arrays); and
+  the wall time of the write of `fit-start.kmk` itself (with `async_save` in the
+  background, after `on_train_begin` returned).
 * the training time a save costs = the time from the first save's step to the end of `fit`
   (its last write included), minus as many steps at the median step time of the same run
   before the first save, divided by the number of saves, in seconds; and steps/s before
@@ -131,6 +133,21 @@ def child(
     peaks: list[int] = []
     finished: list[float] = []
     begun: list[float] = []
+    start_writes: list[float] = []  # seconds of each write of fit-start.kmk (kit)
+
+    from keras_mirror_kit.checkpoint.store import CheckpointStore
+
+    if hasattr(CheckpointStore, "write_start"):  # timed wherever it runs (async: writer)
+        write_start = CheckpointStore.write_start
+
+        def timed_write_start(self: Any, *args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return write_start(self, *args, **kwargs)
+            finally:
+                start_writes.append(time.perf_counter() - began)
+
+        CheckpointStore.write_start = timed_write_start  # type: ignore[method-assign]
 
     class Begin(keras.callbacks.Callback):
         """Listed first: when the callbacks' `on_train_begin` start."""
@@ -174,6 +191,7 @@ def child(
         "mode": mode,
         "schedule": schedule,
         "start_s": begun[1] - begun[0],
+        "start_write_s": sum(start_writes),
         "state_bytes": state,
         "params": int(model.count_params()),
         "step_ends": [t - start for t in ends],
@@ -211,6 +229,7 @@ def figures(result: dict[str, Any], baseline: dict[str, Any] | None, save_every:
         "peak_mib": result["end_peak"] / MIB,
         "within_run_extra_mib": (max(peaks[first:]) - peaks[first - 1]) / MIB,
         "start_s": result["start_s"],
+        "start_write_s": result.get("start_write_s", 0.0),
         "save_cost_s": (stretch - base * steps) / result["saves"],
         "steps_per_s_before": 1 / base,
         "steps_per_s_window": steps / stretch,
@@ -327,7 +346,7 @@ def report(
     say(f"{schedule} saves; training state: {state:.0f} MiB (median over rounds below)")
     say(
         f"  {'configuration':<14} {'peak RSS':>9} {'extra vs none':>15} {'lowest peaks':>15} "
-        f"{'within run':>15} {'fit start':>10} "
+        f"{'within run':>15} {'fit start':>10} {'start file write':>18} "
         f"{'cost/save':>10} {'steps/s before':>15} {'steps/s from save':>18}"
     )
     for mode, row in rows.items():
@@ -340,6 +359,7 @@ def report(
         say(
             f"  {mode:<14} {row['peak_mib']:>5.0f} MiB {extra_text:>15} {low_text:>15} "
             f"{f'{within:.0f} ({within / state:.2f}x)':>15} {row['start_s']:>8.2f} s "
+            f"{row['start_write_s']:>16.2f} s "
             f"{cost:>10} {row['steps_per_s_before']:>15.2f} {row['steps_per_s_window']:>18.2f}"
         )
     if "kit-sync" in rows and "kit-async" in rows:
