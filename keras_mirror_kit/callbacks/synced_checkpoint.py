@@ -352,17 +352,19 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._best.begin(lambda name: metric_direction(self.model, name))
         # The architecture, for export outside fit (keras-mirror-kit ckpt export).
         self._model_config = model_config(self.model) if self._is_chief else None
-        retry = self._start is not None and self._start.belongs_to(self.model, self._fit.index)
-        returned = False
-        if self.restore and retry:  # this fit() raised before its first checkpoint
+        start = self._start  # this fit() raised before its first checkpoint: a retry
+        retry = (
+            self.restore and start is not None and start.belongs_to(self.model, self._fit.index)
+        )
+        if retry:
             check_workers_agree(self.model, None, 0, self.directory)  # the chief's file is in
-            returned = return_to_start(self._store, self.model, self._cursor, self.directory)
+            return_to_start(self._store, self.model, self._cursor, self.directory)
         elif self.restore:
             self._restore()
             check_workers_agree(self.model, self.last_restored, self._resume_skip, self.directory)
         if self.async_save and self._is_chief:  # one host copy of the state, for this fit
             self._staging.prepare(state_variables(self.model))
-        if not returned:  # (a start not put back: this attempt's is written instead)
+        if not retry:  # (every worker alike, whatever each read: its snapshot is collective)
             self._write_start()
         self._preemption.start(self.model)  # save on SIGTERM (preemption.py)
 
@@ -381,7 +383,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         if not self._is_chief:
             snapshot.release()
             return
-        meta = self._meta(snapshot, epoch=0, step=0, epoch_end=True, stopped=False, logs=None)
+        meta = self._meta(snapshot, 0, 0, epoch_end=True, stopped=False, logs=None, start=True)
         write = self._store.write_start
         if self.async_save:
             self._writer.submit(lambda: write(snapshot.items(), meta))
@@ -633,8 +635,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         epoch_end: bool,
         stopped: bool,
         logs: dict[str, Any] | None,
+        start: bool = False,
     ) -> CheckpointMeta:
-        """The metadata of a save of `snapshot` (its callbacks' states and score included)."""
+        """The metadata of a save of `snapshot`: with its callbacks' states and score, unless
+        it is the start state (fit-start.kmk: the variables and the data seed are put back)."""
         return CheckpointMeta(
             epoch=int(epoch),
             step=int(step),
@@ -647,9 +651,9 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             backend=backends.name(),
             data=data_description(self.model, self._cursor, self._epoch_length()),
             variables=tuple(snapshot.paths),
-            callbacks=callback_states(self._tracked, snapshot.extra),
+            callbacks={} if start else callback_states(self._tracked, snapshot.extra),
             # keep_best: the metric and this save's value (none for the end-of-fit re-save)
-            score=self._best.score(logs, epoch_end and logs is not None, epoch),
+            score=None if start else self._best.score(logs, epoch_end and logs is not None, epoch),
             model_config=self._model_config,
         )
 
