@@ -58,7 +58,7 @@ from keras_mirror_kit.checkpoint.snapshot import (
     StateSnapshot,
     take_snapshot,
 )
-from keras_mirror_kit.checkpoint.start_state import StartState
+from keras_mirror_kit.checkpoint.start_state import StartPoint, return_to_start
 from keras_mirror_kit.checkpoint.state import build_optimizer, check_reachable, state_variables
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.fit_inputs import kit_pipeline
@@ -86,45 +86,30 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     """Saves and restores the whole training state, atomically, from the chief only.
 
     Each checkpoint holds every variable the model owns (`model.variables`: weights,
-    BatchNormalization statistics and the random state of `Dropout`, `GaussianNoise` and
-    other random layers) and Keras' global random state where it is used, the full state
-    (iterations, learning rate, moments, loss scale) of every optimizer the model holds
-    (`model.optimizer`, and a GAN's `d_optimizer` and `g_optimizer` set in its `compile()`),
-    the seed state of a model's own `train_step` (`own_steps`), the state of the stateful
-    callbacks in the `callbacks` list (`EarlyStopping`, `ReduceLROnPlateau`,
-    `ModelCheckpoint`'s best value, and any callback with `get_checkpoint_state` /
-    `set_checkpoint_state`), and the
-    progress (which `fit` of the script, epoch, batch, whether that `fit` was stopped).
-    Files are written atomically and the manifest that names the newest checkpoint is
-    replaced last, so a kill at any instant leaves the previous checkpoint loadable.
-    A state holding NaN or Inf is refused (`CheckpointError`, nothing written) unless
-    `allow_non_finite=True`.
+    BatchNormalization statistics, random layers' state), Keras' global random state, the
+    full state (iterations, learning rate, moments, loss scale) of every optimizer the model
+    holds (`model.optimizer`, a GAN's `d_optimizer` and `g_optimizer`), the seed state of a
+    model's own `train_step` (`own_steps`), the state of the stateful callbacks in the
+    `callbacks` list (`EarlyStopping`, `ReduceLROnPlateau`, `ModelCheckpoint`'s best value,
+    any callback with `get_checkpoint_state` / `set_checkpoint_state`), and the progress
+    (which `fit` of the script, epoch, batch, whether that `fit` was stopped). Files are
+    written atomically and the manifest is replaced last, so a kill at any instant leaves
+    the previous checkpoint loadable. A state holding NaN or Inf is refused
+    (`CheckpointError`, nothing written) unless `allow_non_finite=True`.
 
-    At `on_train_begin`, the newest good checkpoint is compared with the model and
-    optimizer (variable paths and shapes) and a mismatch is refused with `CheckpointError`
-    before any step. Then every `fit` of a rerun script continues from the newest
-    checkpoint: a `fit` that had finished in the earlier run (a later `fit` wrote the
-    checkpoint, or this one was stopped early with the same `epochs`) restores the state
-    and trains nothing (a WARNING when a later `fit` wrote it; one with the same `epochs`
-    that had not finished is resumed as this `fit`'s own, for a stage rerun alone); the
-    `fit` that was running resumes where it stopped. A corrupt
-    newest checkpoint is reported with a warning and the previous good one is used. The
-    checkpoint may come from a run with another replica count.
+    At `on_train_begin`, the newest good checkpoint (a corrupt one is reported and the
+    previous used; of any replica count) is checked against the model and optimizer
+    (variable paths and shapes: `CheckpointError` before any step) and restored: each `fit`
+    of a rerun script goes on from it, one that had finished trains nothing, the one that
+    was running resumes where it stopped (docs/checkpointing.md has every case).
 
     With an integer `save_freq`, checkpoints are also written every `save_freq` batches.
-    When `fit` trains on a kit dataset (`kmk.make_dataset`, the folder and record
-    loaders), or on maps and prefetches after one (`train_ds.map(f).prefetch(2)`), a run
-    resumes exactly where it stopped, mid-epoch: the consumed batches of that epoch are
-    skipped and the epoch ends after its remaining batches. `fit` finds that dataset
-    upstream of what it got; `dataset=` names it (`fit` must then train on it). The
-    `fit(x, y, batch_size=..., validation_split=..., shuffle=...)` of a model the kit built
-    trains on a kit dataset of the arrays' batches (Keras' split, a shuffle keyed on (seed,
-    epoch)) and resumes mid-epoch too. When the data changed (another number of samples
-    per epoch, another explicit seed) the resume starts at the newest epoch boundary with a
-    warning saying why (`strict=True`: `CheckpointError`). For other data Keras cannot
-    start an epoch part-way, so the resume uses the newest checkpoint written at an epoch
-    boundary and re-trains the interrupted epoch from its start. Either way no batch is
-    trained twice.
+    On a kit dataset (`kmk.make_dataset`, the kit's loaders, maps and prefetches after
+    one; `dataset=` names it, else `fit` finds it) and on arrays given to a kit-built
+    model's `fit`, a run resumes exactly mid-epoch: the consumed batches are skipped and
+    the epoch ends after its remaining ones. When the data changed, or for other data, the
+    resume starts at the newest epoch boundary (with a WARNING where the data changed;
+    `strict=True`: `CheckpointError`). Either way no batch is trained twice.
 
     With `steps_per_execution > 1`, saves happen at execution boundaries, and an exact
     mid-epoch resume needs the epoch length to be a multiple of `steps_per_execution`
@@ -132,16 +117,16 @@ class SyncedCheckpoint(keras.callbacks.Callback):
 
     Only the chief process writes (`Distribution.is_chief`). After `fit` returns, a later
     `fit` on the same model behaves normally: it neither restores again nor skips epochs.
-    After a `fit` that raised, the same instance resumes exactly as a new one would.
+    After a `fit` that raised, the same instance resumes exactly as a new one would; one
+    that raised before its first checkpoint goes back to the state it started from, which a
+    `fit` from scratch writes to `fit-start.kmk` in the directory at `on_train_begin`
+    (streamed like a save, no host copy kept; deleted at its first checkpoint).
 
-    To see the other callbacks, `SyncedCheckpoint` is handed the list of `fit()`'s
-    callbacks (`keras_mirror_kit.fit_hooks`, for any model); its epoch-end save then runs
-    after the stateful callbacks (it moves itself after the last of them), and a stop
-    request is cleared only when it is its own. Keras' `BackupAndRestore` listed after it
-    is moved before it, so that the checkpoint's newer state wins over the backup's in
-    either order; another callback listed after it that sets the start epoch over a
-    restored state (`model._initial_epoch`, as `BackupAndRestore` does) is refused with a
-    `ValueError` before any step.
+    It is handed `fit()`'s callbacks (`keras_mirror_kit.fit_hooks`): its epoch-end save
+    runs after the stateful callbacks, a stop request is cleared only when it is its own,
+    Keras' `BackupAndRestore` listed after it is moved before it (the checkpoint's newer
+    state wins in either order), and another callback after it that sets the start epoch
+    over a restored state is refused with a `ValueError` before any step.
 
     Args:
         directory: Directory for the checkpoints; created if missing.
@@ -149,15 +134,11 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         keep: How many of the newest checkpoints to keep (>= 1). Beyond the newest, the
             two newest older usable resume points are always kept too.
         restore: Restore from the newest good checkpoint at the start of training.
-        verify_replicas: Before each save, check that every mirrored variable's
-            per-replica copies are identical and raise `ReplicaDivergenceError` naming those
-            that are not. Unsynchronised BatchNormalization moving statistics legitimately
-            differ per replica: they are reported in the log, not raised, and replica 0's
-            values are saved.
-        dataset: The kit dataset `fit` trains on (built by `kmk.make_dataset` or a kit
-            loader), optionally followed by maps and prefetches; `fit` must then train on
-            it or on maps and prefetches after it. Without it, `fit` finds the kit dataset
-            itself.
+        verify_replicas: Before each save, check that every mirrored variable's copies are
+            identical (`ReplicaDivergenceError` naming those that are not; unsynchronized
+            BatchNormalization statistics are logged, and replica 0's saved).
+        dataset: The kit dataset `fit` trains on (or on maps and prefetches after it);
+            without it, `fit` finds the kit dataset itself.
         verify_atol: Absolute tolerance of the replica comparison, >= 0 (default exact).
         strict: Refuse (`CheckpointError`) instead of falling back to an epoch boundary
             when the data no longer matches a mid-epoch checkpoint.
@@ -171,19 +152,14 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             a metric by its direction; `ValueError` when it cannot be told).
         keep_best: Keep the `keep_best` best checkpoints by `monitor` besides the newest
             `keep` (like Lightning's `save_top_k` with `save_last`); 0 (default): off.
-        preemption_signals: Signals (numbers or names) that make `fit()` finish the current
-            step, save it (every worker at the same step) and end the process with
-            `Preempted` (status 75, `PREEMPTED_EXIT_CODE`); default `(signal.SIGTERM,)`,
-            add e.g. `signal.SIGUSR1` for Slurm's `--signal`, `()` for none. Handled while
-            `fit()` runs in the main thread; the previous handlers are put back after it.
-        async_save: Write each checkpoint in a background thread while training goes on.
-            The chief copies the state into host arrays at the step boundary (one host
-            copy of the state, allocated at the start of `fit` and reused by every save;
-            no accelerator memory); the next save and
-            the end of `fit` wait for the previous write (`wait_for_pending_save()` too),
-            and a failed write raises `CheckpointWriteError` at the next training step or
-            at the end of `fit`. A kill during a background write leaves the previous
-            checkpoint loadable, as a synchronous save does.
+        preemption_signals: Signals that make `fit()` finish the current step, save it
+            (every worker at the same step) and end the process with `Preempted` (status
+            75); default `(signal.SIGTERM,)`, `()` for none (handled in the main thread).
+        async_save: Write each checkpoint in a background thread while training goes on:
+            the chief copies the state into host arrays at the step boundary (one host
+            copy, reused by every save); the next save and the end of `fit` wait for the
+            previous write (`wait_for_pending_save()` too); a failed write raises
+            `CheckpointWriteError` at the next step or the end of `fit`.
 
     Raises:
         TypeError: On a wrong argument type.
@@ -200,9 +176,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         CheckpointLockedError: At `on_train_begin`, when another live run holds the
             directory's lock (`writer.lock`; a stale one is taken over with a
             `StaleLockWarning`).
-        CheckpointWriteError: When a save fails (disk full, read-only); earlier
-            checkpoints stay intact. With `async_save=True`, at the next training step
-            or at the end of `fit`.
+        CheckpointWriteError: When a save, or the write of `fit-start.kmk` at
+            `on_train_begin`, fails (disk full, read-only); earlier checkpoints stay
+            intact. With `async_save=True`, at the next training step or at the end of
+            `fit`.
         ReplicaDivergenceError: When replicas diverged (with `verify_replicas=True`).
         Preempted: From `fit()`, after a stop signal, once the step reached is saved (a
             `SystemExit`: the process ends with status 75 unless it is caught).
@@ -274,8 +251,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._arranged: tuple[list[tuple[str, Any]], LoopHook, LoopHook] | None = None
         self._restorers: list[str] = []  # the BackupAndRestore callbacks of that fit()
         self._later: list[str] = []  # the callbacks after this one with an on_train_begin
-        self._start_state: StartState | None = None  # until this fit()'s first checkpoint
-        self._start_epoch: int | None = None  # the epoch that start state begins
+        self._start: StartPoint | None = None  # fit-start.kmk: until this fit()'s 1st checkpoint
         self._reset_run_state()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -370,38 +346,43 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._best.begin(lambda name: metric_direction(self.model, name))
         # The architecture, for export outside fit (keras-mirror-kit ckpt export).
         self._model_config = model_config(self.model) if self._is_chief else None
-        if self.restore:
+        start = self._start  # this fit() raised before its first checkpoint: a retry
+        retry = (
+            self.restore and start is not None and start.belongs_to(self.model, self._fit.index)
+        )
+        if retry:
+            check_workers_agree(self.model, None, 0, self.directory)  # the chief's file is in
+            return_to_start(self._store, self.model, self._cursor, self.directory)
+        elif self.restore:
             self._restore()
             check_workers_agree(self.model, self.last_restored, self._resume_skip, self.directory)
-        self._keep_or_return_to_start()
         if self.async_save and self._is_chief:  # one host copy of the state, for this fit
             self._staging.prepare(state_variables(self.model))
+        if not retry:  # (every worker alike, whatever each read: its snapshot is collective)
+            self._write_start()
         self._preemption.start(self.model)  # save on SIGTERM (preemption.py)
 
-    def _keep_or_return_to_start(self) -> None:
-        """A fit() from scratch keeps its start state; its retry (it raised before its first
-        checkpoint) goes back to it, so that no batch is trained twice."""
-        if self.last_restored is not None:  # resumed from a checkpoint: it is the start
-            self._start_state = None
+    def _write_start(self) -> None:
+        """A fit() from scratch writes the state it starts from (fit-start.kmk), which its retry
+        goes back to if it raises before its first checkpoint (checkpoint/start_state.py)."""
+        self._start = None
+        resumed = self.last_restored is not None or self.model._initial_epoch is not None  # noqa: SLF001
+        if not self.restore or resumed:
+            if self._is_chief:
+                self._store.remove_start()  # an earlier run's: nothing goes back to it
             return
-        kept = self._start_state
-        if (
-            self.restore
-            and kept is not None
-            and kept.belongs_to(self.model, self._fit.index)
-            and kept.restore()  # False (with a WARNING) when the variables changed
-        ):
-            self._mark = EpochMark(self._start_epoch or 0)  # as it began
-            self.model._initial_epoch = self._mark  # noqa: SLF001
-            logger.info(
-                "keras-mirror-kit: this fit() raised before its first checkpoint in %s; the "
-                "model, its optimizer and random state are back at the state that fit() "
-                "started from (kept in memory), so no batch is trained twice",
-                self.directory,
-            )
+        staging = self._staging if self.async_save and self._is_chief else None
+        snapshot = take_snapshot(state_variables(self.model), True, staging)  # as it is
+        self._start = StartPoint(self.model, self._fit.index)
+        if not self._is_chief:
+            snapshot.release()
             return
-        self._start_state = StartState(self.model, self._fit.index)
-        self._start_epoch = self.model._initial_epoch  # noqa: SLF001 (another callback's)
+        meta = self._meta(snapshot, 0, 0, epoch_end=True, stopped=False, logs=None, start=True)
+        write = self._store.write_start
+        if self.async_save:
+            self._writer.submit(lambda: write(snapshot.items(), meta))
+        else:
+            write(snapshot.items(), meta)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if self._steps_in_fit and self._preemption.pending():  # no collective here
@@ -482,11 +463,13 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                 # A callback after this one stopped the fit, or EarlyStopping put its best
                 # weights back: the final state is what a rerun must find.
                 self._save(epoch=epoch, step=step, epoch_end=epoch_end, stopped=stopped)
-        self._start_state = None  # this fit() ended: none of its batches is retried
+        started, self._start = self._start, None  # this fit() ended: nothing is retried
         _FITS.completed(self.model, self.directory, self._fit)
         self._resume_epoch = None
         self._resume_skip = 0
         self.wait_for_pending_save()  # fit() returns once every checkpoint is written
+        if started is not None and self._is_chief:
+            self._store.remove_start()
         if self._preemption.finish(self._steps_in_fit):  # a signal in the last epoch's end
             self._raise_preempted()
 
@@ -643,11 +626,34 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                 self._reported_batch_norm = True
                 log_batch_norm_gap(gap)
         self._last_save = (int(epoch), int(step), bool(epoch_end), bool(stopped))
-        self._start_state = None  # a retry resumes from this checkpoint
+        # A retry resumes from this checkpoint, not from the start (unless it cannot).
+        ends_start = self._start is not None and (
+            epoch_end or stopped or self._store.mid_epoch_resumable
+        )
         if not self._is_chief:
             snapshot.release()
+            self._start = None if ends_start else self._start
             return
-        meta = CheckpointMeta(
+        meta = self._meta(snapshot, epoch, step, epoch_end, stopped, logs)
+        if self.async_save:
+            self._writer.submit(lambda: self._write(snapshot, meta, ends_start))
+        else:
+            self._write(snapshot, meta, ends_start)
+        self._start = None if ends_start else self._start
+
+    def _meta(
+        self,
+        snapshot: StateSnapshot,
+        epoch: int,
+        step: int,
+        epoch_end: bool,
+        stopped: bool,
+        logs: dict[str, Any] | None,
+        start: bool = False,
+    ) -> CheckpointMeta:
+        """The metadata of a save of `snapshot`: with its callbacks' states and score, unless
+        it is the start state (fit-start.kmk: the variables and the data seed are put back)."""
+        return CheckpointMeta(
             epoch=int(epoch),
             step=int(step),
             epoch_end=bool(epoch_end),
@@ -659,20 +665,18 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             backend=backends.name(),
             data=data_description(self.model, self._cursor, self._epoch_length()),
             variables=tuple(snapshot.paths),
-            callbacks=callback_states(self._tracked, snapshot.extra),
+            callbacks={} if start else callback_states(self._tracked, snapshot.extra),
             # keep_best: the metric and this save's value (none for the end-of-fit re-save)
-            score=self._best.score(logs, epoch_end and logs is not None, epoch),
+            score=None if start else self._best.score(logs, epoch_end and logs is not None, epoch),
             model_config=self._model_config,
         )
-        if self.async_save:
-            self._writer.submit(lambda: self._write(snapshot, meta))
-        else:
-            self._write(snapshot, meta)
 
-    def _write(self, snapshot: StateSnapshot, meta: CheckpointMeta) -> None:
+    def _write(self, snapshot: StateSnapshot, meta: CheckpointMeta, ends_start: bool) -> None:
         """Writes a snapshot, one variable at a time (in the background with async_save)."""
         path = self._store.write(snapshot.items(), meta)
         logger.debug("keras-mirror-kit: wrote %s (epoch %d, step %d)", path, meta.epoch, meta.step)
+        if ends_start:  # a retry resumes from this checkpoint now
+            self._store.remove_start()
 
     def _epochs(self) -> int | None:
         epochs = self.params.get("epochs") if self.params else None

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # data.cursor imports TensorFlow: not for a JAX-only install
 
 __all__ = [
     "MidEpochSkip",
+    "adopt_seed",
     "ResumePlan",
     "check_fit_dataset",
     "check_whole_epochs",
@@ -202,7 +203,7 @@ def restore_latest(
             loaded.path,
         )
         return ResumePlan(restored=loaded, fit=taken)
-    _adopt_seed(cursor, meta)
+    adopt_seed(cursor, meta)
     logger.info(
         "keras-mirror-kit: resumed from %s (epoch %d, batch %d, saved with %s replica(s))",
         loaded.path,
@@ -268,8 +269,22 @@ def _restore_finished(
     return ResumePlan(restored=restored, initial_epoch=max(int(epochs or 0), 1))
 
 
-def _adopt_seed(cursor: DatasetCursor | None, meta: CheckpointMeta) -> None:
-    """Takes the checkpoint's data seed when the dataset's was drawn at random."""
+def adopt_seed(cursor: DatasetCursor | None, meta: CheckpointMeta) -> None:
+    """Takes the checkpoint's data seed when the dataset's was drawn at random.
+
+    Args:
+        cursor: The cursor of the kit dataset the `fit()` trains on, or None (nothing done).
+        meta: The checkpoint's metadata.
+
+    Returns:
+        None.
+
+    Example:
+
+    ```python
+    adopt_seed(cursor, loaded.meta)  # a resumed fit(x, y, shuffle=True): the run's order
+    ```
+    """
     saved_seed = meta.data.seed
     if cursor is None or saved_seed is None:
         return

@@ -27,8 +27,11 @@ and read alike). The guarantees:
   usable resume points (and the newest one whose values are all finite, and the newest
   finite one written at an epoch boundary), so a damaged newest checkpoint always leaves a
   way back, and a run that cannot resume mid-epoch finds an epoch boundary.
-* Only files this module names (`ckpt-NNNNNNNN.npz`, `manifest.json` and their hidden
-  temporaries) are ever deleted; anything else in the directory is left alone.
+* Only files this module names (`ckpt-NNNNNNNN.npz`, `manifest.json`, `fit-start.kmk` and
+  their hidden temporaries) are ever deleted; anything else in the directory is left alone.
+* `fit-start.kmk` (`START_FILE`) is no checkpoint: the state a running `fit()` started
+  from, in the same format, outside the manifest, which a retry of that `fit()` in the same
+  process goes back to (`checkpoint.start_state`); no resume, listing or export reads it.
 * Only regular files inside the directory are read, never through a symbolic link, a
   FIFO or a device (`atomic_files.open_regular`), and every read is bounded by what the
   file should hold: the manifest at most `MANIFEST_LIMIT` bytes, a checkpoint file no
@@ -88,13 +91,15 @@ __all__ = [
     "CheckpointWriteError",
     "CorruptCheckpointWarning",
     "LoadedCheckpoint",
+    "START_FILE",
 ]
 
 logger = logging.getLogger("keras_mirror_kit")
 
 _TMP_RE = re.compile(
-    r"\.(ckpt-[0-9]{8}\.npz|manifest\.json|write-probe|writer\.lock)\.[0-9a-f]+\.tmp"
+    r"\.(ckpt-[0-9]{8}\.npz|manifest\.json|fit-start\.kmk|write-probe|writer\.lock)\.[0-9a-f]+\.tmp"
 )  # fullmatch
+START_FILE = "fit-start.kmk"  # the state the running fit() started from (start_state.py)
 MANIFEST_LIMIT = 8 << 20  # about 30,000 entries
 _CHUNK = 1 << 20  # bytes per read when verifying a file; bytes per write (x16)
 
@@ -494,6 +499,41 @@ class CheckpointStore:
                 except OSError:
                     pass
         return path
+
+    def write_start(self, arrays: Iterable[tuple[str, np.ndarray]], meta: CheckpointMeta) -> Path:
+        """Writes `START_FILE` (streamed and atomic, as a checkpoint; not in the manifest).
+
+        Raises:
+            CheckpointWriteError: If the disk is full, the directory read-only, etc.
+        """
+        path = self.directory / START_FILE
+        try:
+            atomic_write(path, lambda handle: _write_npz(handle, arrays, meta), direct=True)
+        except OSError as err:
+            raise CheckpointWriteError(
+                err.errno,
+                f"Could not write {str(path)!r}, the state this fit() starts from (what a "
+                f"retry of it goes back to): {err.strerror or err}. Free disk space, fix the "
+                "directory's permissions or choose another directory.",
+            ) from err
+        return path
+
+    def read_start(self) -> LoadedCheckpoint:
+        """Reads and verifies `START_FILE` (every member's CRC-32), as `read` a checkpoint.
+
+        Raises:
+            ValueError: If it is missing or fails verification.
+        """
+        return self.read(ManifestEntry(file=START_FILE, index=0))
+
+    def remove_start(self) -> None:
+        """Deletes `START_FILE`, if there."""
+        try:
+            (self.directory / START_FILE).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as err:  # left behind: the next fit() from scratch replaces it
+            logger.debug("keras-mirror-kit: could not remove %s: %s", START_FILE, err)
 
     def _usable(self, entry: ManifestEntry) -> bool:
         """Whether a resume could start from this entry in the current run's mode."""
