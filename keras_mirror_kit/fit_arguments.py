@@ -27,8 +27,6 @@ import functools
 import inspect
 from typing import Any
 
-import keras
-
 __all__ = ["KerasCall"]
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -37,8 +35,12 @@ _NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONL
 
 @functools.cache
 def _keras_parameters(method: str) -> dict[str, inspect.Parameter]:
-    """`keras.Model.<method>`'s parameters after `self`, in order (a wrapper's are its own)."""
-    parameters = list(inspect.signature(getattr(keras.Model, method)).parameters.values())
+    """Keras' `<method>` parameters after `self`, in order: its `Trainer`'s, which stay what
+    they are when `keras.Model.<method>` itself is wrapped (the kit's `fit_hooks`, a test's
+    recorder taking `*args, **kwargs`)."""
+    from keras.src.trainers.trainer import Trainer
+
+    parameters = list(inspect.signature(getattr(Trainer, method)).parameters.values())
     return {p.name: p for p in parameters[1:] if p.kind in (*_POSITIONAL, *_NAMED)}
 
 

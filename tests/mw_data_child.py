@@ -83,6 +83,7 @@ def main() -> int:
         subset="both",
         verbose=False,
         preprocess=augment,
+        drop_remainder=True,  # several workers: a partial last batch is refused
     )
     history = model.fit(train_ds, validation_data=val_ds, epochs=EPOCHS, verbose=0)
     result = {

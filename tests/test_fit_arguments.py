@@ -110,3 +110,26 @@ def test_a_call_that_does_not_bind_is_not_read():
     def narrow(x, y=None): ...
 
     assert KerasCall.read("fit", inspect.signature(narrow), ("x",), {"epochs": 1}) is None
+
+
+def test_kerass_parameters_are_read_when_keras_model_fit_itself_is_wrapped(monkeypatch):
+    """A test's recorder or another library may replace `keras.Model.fit` by a wrapper
+    taking `*args, **kwargs`: Keras' parameter names still come from its `Trainer`."""
+    import keras
+
+    from keras_mirror_kit import fit_arguments
+
+    def recorder(self, *args, **kwargs): ...
+
+    monkeypatch.setattr(keras.Model, "fit", recorder)
+    fit_arguments._keras_parameters.cache_clear()
+    try:
+
+        def wrapped(*args, **kwargs): ...
+
+        call = read(wrapped, "x", "y", epochs=2, callbacks=["cb"])
+        assert call.arguments == {"x": "x", "y": "y", "epochs": 2, "callbacks": ["cb"]}
+        call.arguments["callbacks"] = ["arranged"]
+        assert call.call() == (("x", "y"), {"epochs": 2, "callbacks": ["arranged"]})
+    finally:
+        fit_arguments._keras_parameters.cache_clear()

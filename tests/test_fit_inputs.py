@@ -92,3 +92,17 @@ def test_a_functional_model_built_in_the_block_gets_the_same_check():
         model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(ValueError, match="batched to 64 samples"):
         model.fit(plain(64), epochs=1, verbose=0)
+
+
+def test_a_partial_last_batch_on_several_workers_is_refused_before_any_step():
+    from types import SimpleNamespace
+
+    from keras_mirror_kit.fit_inputs import check_training_split
+
+    x = np.zeros((20, 3), "float32")
+    workers = SimpleNamespace(num_replicas=4, num_workers=2, global_batch_size=8)
+    with pytest.raises(ValueError, match=r"last batch holds 4 of 8 samples, on 2 workers"):
+        check_training_split({"x": x, "batch_size": 8}, workers, exact=True)
+    check_training_split({"x": x[:16], "batch_size": 8}, workers, exact=True)  # whole batches
+    one = SimpleNamespace(num_replicas=4, num_workers=1, global_batch_size=8)
+    check_training_split({"x": x, "batch_size": 8}, one, exact=True)  # one process: exact
