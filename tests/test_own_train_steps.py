@@ -2,17 +2,16 @@
 "Models that write their own training step").
 
 The keras-io VAE, DCGAN (with and without a `call()`), conditional GAN and Distiller
-(WGAN-GP: see `WITH_SGD`), the Keras guide's `CustomModel` variants and GAN (`tests/own_step_models.py`,
-their authors' step code on small networks), and a step written each of the other ways a
-loss is written (`LossForms`), each built in a kit factory with the same first weights
-on 1 and on 2 replicas of this process: every variable of the model, of every optimizer it
-holds and of its own seed generator, and every figure `fit` logs, agree to 1e-6, with
-Adam on 29 rows (a last batch of 5, split 3/2) and, for one model of each kind, with SGD
-on 32 (even). A loss written
-for another replica count is refused before any step; a killed GAN resumes bit for bit;
-state no checkpoint holds is named (a stateful random op refused) before any step;
-`doctor --model` names the own
-step (`@slow`: a child process).
+(WGAN-GP: see `WITH_SGD`), the Keras guide's `CustomModel` variants and GAN
+(`tests/own_step_models.py`, their authors' step code on small networks), and a step
+written each of the other ways a loss is written (`LossForms`), each built in a kit
+factory with the same first weights on 1 and on 2 replicas of this process: every
+variable of the model, of every optimizer it holds and of its own seed generator, and
+every figure `fit` logs, agree to 1e-6, with Adam on 29 rows (a last batch of 5, split
+3/2) and, for one model of each kind, with SGD on 32 (even). A loss written for another
+replica count is refused before any step; a killed GAN resumes bit for bit; state no
+checkpoint holds is named (a stateful random op refused) before any step; `doctor
+--model` names the own step (`@slow`: a child process).
 """
 
 from __future__ import annotations
