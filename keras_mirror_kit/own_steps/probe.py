@@ -41,6 +41,7 @@ import tensorflow as tf
 
 from keras_mirror_kit.model_parts import metrics_of
 from keras_mirror_kit.own_steps.context import StepContext
+from keras_mirror_kit.workarounds.keras_uneven_first_batch import first_local_part, spec_batch
 
 __all__ = ["Probe", "ProbeResult", "probe_batch", "run_probe"]
 
@@ -159,7 +160,6 @@ def probe_batch(iterator: Any, strategy: Any, batch: Any) -> tuple[Any, bool]:
     """
     if batch is not None:
         return _whole(batch, strategy), True
-    from keras_mirror_kit.workarounds.keras_uneven_first_batch import spec_batch
 
     adapter = getattr(iterator, "data_adapter", None)
     py_dataset = getattr(adapter, "py_dataset", None)
@@ -286,17 +286,6 @@ def _logs(outputs: Any) -> dict[str, float]:
     return found
 
 
-def _first(outputs: Any, strategy: Any) -> Any:
-    return tf.nest.map_structure(
-        lambda v: (
-            strategy.experimental_local_results(v)[0]
-            if isinstance(v, tf.distribute.DistributedValues)
-            else v
-        ),
-        outputs,
-    )
-
-
 def _name(optimizer: Any) -> str:
     return f"{type(optimizer).__name__} {getattr(optimizer, 'name', '')!r}".strip()
 
@@ -368,10 +357,12 @@ def run_probe(
             _compare(
                 model,
                 _numbers(one, one_numbers),
-                _numbers(many, _first(many_numbers, strategy)),
+                _numbers(many, first_local_part(many_numbers, strategy)),
                 replicas,
             )
-            _compare_logs(model, _logs(one_outputs), _logs(_first(many_outputs, strategy)))
+            _compare_logs(
+                model, _logs(one_outputs), _logs(first_local_part(many_outputs, strategy))
+            )
     finally:
         saved.restore()
     return result
