@@ -261,55 +261,6 @@ class RandomCropFlip:
         first = tf.where(horizontal, 1, 0)  # width first; height (0) when only that
         return tf.stack([first, tf.zeros_like(first), count], axis=1)
 
-    def decode_file(
-        self,
-        path: tf.Tensor,
-        draw: tf.Tensor,
-        shape: tf.Tensor | None,
-        resize: tuple[Any, ...],
-        all_jpeg: bool = False,
-    ) -> tf.Tensor:
-        """One file's window, decoded, resized as Keras' loader resizes an image (`resize`:
-        size, channels, interpolation, data format, crop_to_aspect_ratio,
-        pad_to_aspect_ratio) and flipped, from its draws `draw` ([5]): a JPEG's window is
-        decoded alone.
-
-        `shape` (int32 [3]: height, width, whether a JPEG) is the file's header, read when
-        the dataset was built (`all_jpeg`: every file is a JPEG); None reads a JPEG's
-        header while decoding.
-        """
-        channels = resize[1]
-        data = tf.io.read_file(path)
-
-        def whole() -> tf.Tensor:
-            image = tf.image.decode_image(data, channels=channels, expand_animations=False)
-            size = tf.shape(image)
-            top, left, crop_height, crop_width = self.window(draw, size[0], size[1])
-            return tf.slice(
-                image, tf.stack([top, left, 0]), tf.stack([crop_height, crop_width, -1])
-            )
-
-        def jpeg(height: tf.Tensor, width: tf.Tensor) -> tf.Tensor:
-            window = tf.stack(self.window(draw, height, width))
-            return tf.io.decode_and_crop_jpeg(data, window, channels=channels)
-
-        def read_jpeg() -> tf.Tensor:
-            found = tf.io.extract_jpeg_shape(data)
-            return jpeg(found[0], found[1])
-
-        if channels not in (1, 3):  # RGBA: decode_jpeg gives no alpha channel
-            window = whole()
-        elif shape is None:
-            is_jpeg = tf.equal(tf.strings.substr(data, 0, 3), _JPEG_MAGIC)
-            window = tf.cond(is_jpeg, read_jpeg, whole)
-        elif all_jpeg:
-            window = jpeg(shape[0], shape[1])
-        else:
-            window = tf.cond(shape[2] > 0, lambda: jpeg(shape[0], shape[1]), whole)
-        axes = self.flip_axes(draw[tf.newaxis])[0]
-        flipped = tf.reverse(window, axes[: axes[2]])  # no axis: not a copy
-        return resize_like_keras(flipped, *resize)
-
     def decode_batch(
         self,
         paths: tf.Tensor,
@@ -320,15 +271,58 @@ class RandomCropFlip:
         parallel: int,
         all_jpeg: bool = False,
     ) -> tf.Tensor:
-        """`decode_file` of each of a batch of files (`draw` [batch, 5], `shapes` [batch,
-        3] or None) in a `tf.map_fn` of `parallel` files at once."""
+        """A batch of files' windows, decoded, resized as Keras' loader resizes an image
+        (`resize`: size, channels, interpolation, data format, crop_to_aspect_ratio,
+        pad_to_aspect_ratio) and flipped: a JPEG's window is decoded alone.
 
-        def one(e: tuple[tf.Tensor, ...]) -> tf.Tensor:
-            return self.decode_file(e[0], e[1], e[2] if shapes is not None else None,
-                                    resize, all_jpeg)  # fmt: skip
+        `shapes` (int32 [batch, 3]: height, width, whether a JPEG) are the files' headers,
+        read when the dataset was built (`all_jpeg`: of JPEG files only); None reads
+        each JPEG's header while decoding.
+        """
+        channels = resize[1]
 
-        elems = (paths, draw, shapes if shapes is not None else draw)
-        return tf.map_fn(one, elems, fn_output_signature=spec, parallel_iterations=parallel)
+        def whole(data: tf.Tensor, one_draw: tf.Tensor) -> tf.Tensor:
+            image = tf.image.decode_image(data, channels=channels, expand_animations=False)
+            shape = tf.shape(image)
+            top, left, crop_height, crop_width = self.window(one_draw, shape[0], shape[1])
+            return tf.slice(
+                image, tf.stack([top, left, 0]), tf.stack([crop_height, crop_width, -1])
+            )
+
+        def jpeg(data: tf.Tensor, window: tf.Tensor) -> tf.Tensor:
+            return tf.io.decode_and_crop_jpeg(data, window, channels=channels)
+
+        def either(data: tf.Tensor, one_draw: tf.Tensor) -> tf.Tensor:
+            def cropped() -> tf.Tensor:
+                shape = tf.io.extract_jpeg_shape(data)
+                return jpeg(data, tf.stack(self.window(one_draw, shape[0], shape[1])))
+
+            is_jpeg = tf.equal(tf.strings.substr(data, 0, 3), _JPEG_MAGIC)
+            return tf.cond(is_jpeg, cropped, lambda: whole(data, one_draw))
+
+        def run(body: Callable[..., tf.Tensor], *elems: tf.Tensor) -> tf.Tensor:
+            def one(e: tuple[tf.Tensor, ...]) -> tf.Tensor:
+                window = body(tf.io.read_file(e[0]), *e[2:])
+                flipped = tf.reverse(window, e[1][: e[1][2]])  # no axis: not a copy
+                return resize_like_keras(flipped, *resize)
+
+            return tf.map_fn(
+                one, (paths, axes, *elems), fn_output_signature=spec, parallel_iterations=parallel
+            )
+
+        axes = self.flip_axes(draw)
+        if channels not in (1, 3):  # RGBA: decode_jpeg gives no alpha channel
+            return run(whole, draw)
+        if shapes is None:
+            return run(either, draw)
+        windows = tf.stack(self.window(draw, shapes[:, 0], shapes[:, 1]), axis=1)
+        if all_jpeg:
+            return run(jpeg, windows)
+
+        def mixed(data: tf.Tensor, window: tf.Tensor, one_draw: tf.Tensor, j: tf.Tensor) -> Any:
+            return tf.cond(j, lambda: jpeg(data, window), lambda: whole(data, one_draw))
+
+        return run(mixed, windows, draw, shapes[:, 2] > 0)
 
     def __call__(self, images: Any, seed: tf.Tensor) -> tf.Tensor:
         """A batch `(batch, height, width, channels)` (or one image) cropped, resized back

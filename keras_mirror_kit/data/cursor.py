@@ -9,9 +9,6 @@ from keras_mirror_kit.validation import non_negative_int
 __all__ = ["DatasetCursor"]
 
 _EPOCH, _SKIP, _SEED = 0, 1, 2
-_UNREAD = [3, 4, 5]  # where `_take_if` writes after an iteration's first batch
-# What `_take` writes: `values * _KEEP_SEED + _NEXT_EPOCH` is (epoch + 1, 0, seed).
-_KEEP_SEED, _NEXT_EPOCH = [1, 0, 1], [1, 0, 0]
 
 
 class DatasetCursor:
@@ -134,29 +131,12 @@ class DatasetCursor:
         values = self._table.lookup(tf.constant([_EPOCH, _SKIP], tf.int64)).numpy()
         return int(values[0]), int(values[1])
 
-    def _take(self) -> tf.Tensor:
-        """int64 `[epoch, skip, seed]` for the next iteration; the cursor moves on to the
-        next epoch with no skip (in the input pipeline, once per iteration)."""
-        keys = tf.constant([_EPOCH, _SKIP, _SEED], tf.int64)
+    def _take(self) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """Reads epoch, skip and seed and advances to the next epoch (in the input pipeline)."""
+        keys = tf.constant([_EPOCH, _SKIP], tf.int64)
         values = self._table.lookup(keys)
-        values.set_shape([3])
-        update = self._table.insert(keys, values * _KEEP_SEED + _NEXT_EPOCH)
+        seed = self._table.lookup(tf.constant([_SEED], tf.int64))[0]
+        with tf.control_dependencies([values, seed]):
+            update = self._table.insert(keys, tf.stack([values[0] + 1, tf.constant(0, tf.int64)]))
         with tf.control_dependencies([update]):
-            return tf.identity(values)
-
-    def _take_if(self, state: tf.Tensor) -> tf.Tensor:
-        """int64 `[epoch, skip, seed]`: while `state` is `[-1, -1, -1]` (an iterator's first
-        batch), the cursor's, moved on to the next epoch as `_take()` does; else `state`.
-
-        No `tf.cond`, and few ops: tf.data instantiates every function of a pipeline (each
-        optimized by Grappler, branches included) at each new iterator, that is at every
-        epoch's start. A later batch's write goes to keys nothing reads.
-        """
-        first = state < 0  # all three, or none
-        keys = tf.constant([_EPOCH, _SKIP, _SEED], tf.int64)
-        values = self._table.lookup(keys)
-        values.set_shape([3])
-        written = tf.where(first, keys, tf.constant(_UNREAD, tf.int64))
-        update = self._table.insert(written, values * _KEEP_SEED + _NEXT_EPOCH)
-        with tf.control_dependencies([update]):
-            return tf.where(first, values, state)
+            return tf.identity(values[0]), tf.identity(values[1]), tf.identity(seed)

@@ -5,8 +5,9 @@ The files are found, ordered, split and labelled by Keras' own `index_directory`
 `_path_to_string_content_tf` read them (a bilinear resize from float32: the same values):
 the same `file_paths`, `class_names`, labels and pixels as Keras' loaders. What differs:
 each epoch is a permutation keyed on `(seed, epoch)`, which `SyncedCheckpoint(dataset=)`
-resumes exactly mid-epoch, not a shuffle buffer; and the files are decoded in a parallel,
-deterministic map whose epoch starts as fast as Keras' (`data.folder_batches`).
+resumes exactly mid-epoch, not a shuffle buffer; and the dataset has one element per
+batch, whose files a `tf.map_fn` decodes (a tf.data element per file costs more than
+decoding a small image), the batches in a parallel, deterministic map.
 
 With a `seed`, the files are indexed in the order Keras gives them with that seed; without
 one, in sorted order, and the kit's permutation (its drawn seed saved by `SyncedCheckpoint`)
@@ -17,22 +18,39 @@ and an image header that declares more than `max_image_pixels` pixels are refuse
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from keras_mirror_kit.data.augment import RandomCropFlip, decode_like_keras
-from keras_mirror_kit.data.folder_batches import Load, folder_dataset
+from keras_mirror_kit.data.augment import (
+    RandomCropFlip,
+    check_deterministic,
+    decode_like_keras,
+    describe,
+    fold_key,
+)
 from keras_mirror_kit.data.image_headers import (
     DEFAULT_MAX_IMAGE_PIXELS,
     check_image_files,
     check_link_loops,
 )
-from keras_mirror_kit.data.pipeline import check_batch_function, multi_worker_expected
+from keras_mirror_kit.data.pipeline import (
+    check_batch_function,
+    check_placement,
+    epoch_info,
+    finish_dataset,
+    multi_worker_expected,
+    resolve_seed,
+)
 from keras_mirror_kit.data.preprocess import Then, then
-from keras_mirror_kit.validation import positive_int
+from keras_mirror_kit.data.samples import BATCH_DOMAIN, apply_keyed
+from keras_mirror_kit.data.sharding import fill_batch, own_range, record_part, worker_slice
+from keras_mirror_kit.data.sources import index_batches, to_tensors
+from keras_mirror_kit.validation import check_bool, positive_int
 
 __all__ = ["image_dataset_from_directory", "text_dataset_from_directory"]
 
@@ -40,6 +58,23 @@ IMAGE_FORMATS = (".bmp", ".gif", ".jpeg", ".jpg", ".png")
 INTERPOLATIONS = ("bilinear", "nearest", "bicubic", "area")
 INTERPOLATIONS += ("lanczos3", "lanczos5", "gaussian", "mitchellcubic")
 _CHANNELS = {"grayscale": 1, "rgb": 3, "rgba": 4}
+# What the files of one batch may occupy decoded, summed over the batches decoded at once.
+_IN_FLIGHT_BYTES = 256 * 2**20
+
+
+class _Load:
+    """A per-file decode function of Keras', with its arguments (shown in messages)."""
+
+    def __init__(self, name: str, function: Callable[..., Any], *args: Any) -> None:
+        self.name = name
+        self.function = function
+        self.args = args  # after the path
+
+    def __call__(self, path: tf.Tensor) -> tf.Tensor:
+        return self.function(path, *self.args)
+
+    def __repr__(self) -> str:
+        return self.name
 
 
 def _decode_crop(augment: Any) -> tuple[RandomCropFlip | None, Any]:
@@ -49,6 +84,113 @@ def _decode_crop(augment: Any) -> tuple[RandomCropFlip | None, Any]:
     if isinstance(augment, Then) and isinstance(augment.first, RandomCropFlip):
         return augment.first, augment.second
     return None, augment
+
+
+def _parallelism(spec: tf.TensorSpec, per_batch: int) -> tuple[int, int]:
+    """`(batches decoded at once, files decoded at once in each)`: twice as many files as
+    cores in flight (one batch's end does not idle a core), and at most
+    `_IN_FLIGHT_BYTES` of decoded batches (at least one batch)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    known = spec.shape.is_fully_defined() and spec.dtype != tf.string
+    sample = spec.shape.num_elements() * spec.dtype.size if known else 4096
+    calls = max(1, min(cores, _IN_FLIGHT_BYTES // max(1, sample * per_batch)))
+    return calls, max(2, -(-2 * cores // calls))
+
+
+def _output_spec(load: _Load) -> tf.TensorSpec:
+    """What `load` returns for one file (traced once)."""
+    traced = tf.function(load, autograph=False).get_concrete_function(tf.TensorSpec([], tf.string))
+    out = traced.structured_outputs
+    return tf.TensorSpec(out.shape, out.dtype)
+
+
+def _folder_dataset(
+    paths: list[str],
+    labels: Any,
+    batch_size: int,
+    *,
+    shuffle: bool,
+    seed: int | None,
+    load: _Load,
+    crop: RandomCropFlip | None,
+    shapes: np.ndarray | None,
+    label_map: Callable[[Any], Any] | None,
+    drop_remainder: bool,
+    preprocess: Callable[[Any], Any] | None,
+    preprocess_on: str,
+    strict: bool,
+) -> tf.data.Dataset:
+    """A kit dataset of a folder's files: one element per batch, its files decoded by
+    `load` in a `map_fn` (the batches in a parallel, deterministic map); `make_dataset(
+    paths, labels, load=load)` gives the same batches, at a tf.data element per file."""
+    batch_size = positive_int("batch_size", batch_size)
+    placement = check_placement(preprocess, preprocess_on)
+    strict = check_bool("strict", strict)
+    seed, seed_given = resolve_seed(seed, shuffle, "image_dataset_from_directory")
+    drop = check_bool("drop_remainder", drop_remainder)
+    n = len(paths)
+    whole = functools.partial(
+        _folder_dataset, paths, labels, batch_size, shuffle=shuffle, seed=seed,
+        load=load, crop=crop, shapes=shapes, label_map=label_map, drop_remainder=False,
+        preprocess=preprocess, preprocess_on=preprocess_on, strict=strict,
+    )  # fmt: skip
+    info = epoch_info(n, batch_size, drop, seed, seed_given, placement, whole)
+    cursor, num_batches = info.cursor, info.cursor.num_batches
+    part = worker_slice()
+    record_part(cursor, part)
+    items = to_tensors(np.asarray(paths, dtype=str))
+    label_values = None if labels is None else to_tensors(labels)
+    shape_values = None if shapes is None or crop is None else to_tensors(shapes)
+    all_jpeg = shapes is not None and bool(np.all(shapes[:, 2]))
+    spec = _output_spec(load)
+    own = batch_size if part is None else -(-batch_size // part.num_workers)
+    calls, per_batch = _parallelism(spec, own)
+
+    def batches(apply: Callable[[Any], Any] | None, check: bool) -> tf.data.Dataset:
+        graphs: list[tf.Graph] = []
+
+        def decode(batch: dict[str, tf.Tensor]) -> Any:
+            ids = batch["ids"]
+            size = tf.shape(ids, out_type=tf.int64)[0]
+            key = fold_key(batch["epoch_key"], BATCH_DOMAIN, batch["position"])
+            picks = None
+            if part is not None:  # this worker's block (one filler when it is empty)
+                start, end = own_range(size, part)
+                picks = tf.minimum(start + tf.range(tf.maximum(end - start, 1)), size - 1)
+                ids = tf.gather(ids, picks)
+            files = tf.gather(items, ids)
+            if crop is None:
+                features = tf.map_fn(
+                    load, files, fn_output_signature=spec, parallel_iterations=per_batch
+                )
+            else:
+                draws = crop.draws(key, size)
+                draws = draws if picks is None else tf.gather(draws, picks)
+                found = None if shape_values is None else tf.gather(shape_values, ids)
+                features = crop.decode_batch(
+                    files, draws, found, spec, load.args, per_batch, all_jpeg=all_jpeg
+                )
+            if part is not None:
+                features = fill_batch(features, size, start)
+            if apply is not None:
+                graphs.append(tf.compat.v1.get_default_graph())
+                features = apply_keyed(apply, features, key)
+            if label_values is None:
+                return features
+            found = tf.gather(label_values, batch["ids"])
+            return features, found if label_map is None else label_map(found)
+
+        dataset = index_batches(cursor, n, batch_size, num_batches, shuffle)
+        dataset = dataset.map(decode, num_parallel_calls=calls, deterministic=True)
+        if check:
+            for graph in graphs:
+                check_deterministic(graph, f"preprocess={describe(apply)}", strict)
+        return dataset
+
+    return finish_dataset(batches, info, preprocess, preprocess_on, labels is not None, True)
 
 
 def _is_remote(path: str) -> bool:
@@ -162,7 +304,7 @@ def _datasets(
     parts: list[tuple[list[str], Any]],
     class_names: list[str] | None,
     label_mode: str | None,
-    load: Load,
+    load: _Load,
     batch_size: int,
     shuffle: bool,
     seed: int | None,
@@ -184,7 +326,7 @@ def _datasets(
                 crop, rest = _decode_crop(augment)
             if rest is not None:
                 preprocess = rest if preprocess is None else then(preprocess, rest)
-        dataset = folder_dataset(
+        dataset = _folder_dataset(
             paths,
             labels,
             batch_size,
@@ -414,7 +556,7 @@ def image_dataset_from_directory(
         shapes = {p: (s.height, s.width, s.format == "jpeg") for p, s in zip(every, sizes)}
     size = tuple(int(v) for v in image_size)
     fast = interpolation == "bilinear" and not (crop_to_aspect_ratio or pad_to_aspect_ratio)
-    load = Load(
+    load = _Load(
         f"decode_image(image_size={size}, color_mode={color_mode!r}, "
         f"interpolation={interpolation!r})",
         decode_like_keras if fast else _load_image_tf,
@@ -534,7 +676,7 @@ def text_dataset_from_directory(
         label_mode,
         "text files",
     )
-    load = Load(f"read_text(max_length={max_length!r})", _path_to_string_content_tf, max_length)
+    load = _Load(f"read_text(max_length={max_length!r})", _path_to_string_content_tf, max_length)
     options = dict(
         preprocess=preprocess,
         preprocess_on=preprocess_on,

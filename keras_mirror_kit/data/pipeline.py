@@ -263,31 +263,20 @@ def build_dataset(
                 label_map=label_map,
             )
     else:
+        indices = _batch_indices(cursor, n, batch_size, num_batches, shuffle)
 
         def batches(apply: Callable[[Any], Any] | None, check: bool) -> tf.data.Dataset:
-            # Each batch is gathered in the scan that orders the epoch (one function less
-            # to instantiate at every epoch's start); `apply` runs in a parallel map.
-            def gather(index: tf.Tensor) -> Any:
-                axis = tf.constant(0)  # one op for every column's gather
-                picked = tf.nest.map_structure(lambda t: tf.gather(t, index, axis=axis), tensors)
-                return picked[0] if y is None else picked
-
-            dataset = _batch_indices(
-                cursor, n, batch_size, num_batches, shuffle, gather, keyed=apply is not None
-            )
-            if apply is None:
-                return dataset
             graphs: list[tf.Graph] = []
 
-            def preprocessed(picked: Any, key: tf.Tensor) -> Any:
+            def gather(index: tf.Tensor, key: tf.Tensor) -> Any:
+                picked = tf.nest.map_structure(lambda t: tf.gather(t, index), tensors)
+                if apply is None:
+                    return picked[0] if y is None else picked
                 graphs.append(tf.compat.v1.get_default_graph())
-                if y is None:
-                    return apply_keyed(apply, picked, key)
-                return apply_keyed(apply, picked[0], key), picked[1]
+                batch = apply_keyed(apply, picked[0], key)
+                return batch if y is None else (batch, picked[1])
 
-            dataset = dataset.map(
-                preprocessed, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
-            )
+            dataset = indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             if check:
                 for graph in graphs:
                     check_deterministic(graph, f"preprocess={describe(apply)}", strict)
@@ -462,61 +451,33 @@ def _num_batches(n: int, batch_size: int, drop: bool) -> int:
     return n // batch_size if drop else math.ceil(n / batch_size)
 
 
-# Up to this many samples, an epoch's order is carried from batch to batch by a copy (8
-# bytes a sample, under 0.1 ms a batch) rather than kept behind a `tf.cond`, whose branches
-# cost every epoch's start about 10 ms more to instantiate: what counts on a small dataset.
-_ORDER_COPIED = 1 << 16
-
-
 def _batch_indices(
-    cursor: DatasetCursor,
-    n: int,
-    batch_size: int,
-    num_batches: int,
-    shuffle: bool,
-    gather: Callable[[tf.Tensor], Any],
-    keyed: bool,
+    cursor: DatasetCursor, n: int, batch_size: int, num_batches: int, shuffle: bool
 ) -> tf.data.Dataset:
-    """One epoch of `gather(indices)` per batch (with each batch's random key when `keyed`),
-    from the cursor's (epoch, skip, seed) at its first batch."""
-
-    def ordered(count: Any, seed_now: tf.Tensor, epoch: tf.Tensor) -> tf.Tensor:
-        order = tf.range(count, dtype=tf.int64)
-        if shuffle:
-            seed = tf.stack([seed_now, epoch])
-            order = tf.random.experimental.stateless_shuffle(order, seed=seed)
-        return order
+    """One epoch of index batches (and each batch's random key), from the cursor's (epoch,
+    skip, seed) at its first batch."""
 
     def next_batch(state: Any, step: tf.Tensor) -> Any:
         # The state lives per iterator: on its first batch, read the cursor and compute
         # that epoch's order; later batches reuse it.
-        if n <= _ORDER_COPIED:
-            now = cursor._take_if(state[0])  # noqa: SLF001
-            epoch, skip, seed_now = tf.unstack(now)
-            fresh = ordered(tf.where(state[0][0] < 0, n, 0), seed_now, epoch)  # [] but first
-            order = tf.concat([fresh, state[1][tf.size(fresh) :]], axis=0)
-            state = (now, order)
-        else:
+        def fresh() -> Any:
+            epoch, skip, seed_now = cursor._take()  # noqa: SLF001
+            order = tf.range(n, dtype=tf.int64)
+            if shuffle:
+                order = tf.random.experimental.stateless_shuffle(
+                    order, seed=tf.stack([seed_now, epoch])
+                )
+            return epoch, skip, seed_now, order
 
-            def fresh() -> Any:
-                epoch, skip, seed_now = tf.unstack(cursor._take())  # noqa: SLF001
-                return epoch, skip, seed_now, ordered(n, seed_now, epoch)
-
-            epoch, skip, seed_now, order = tf.cond(state[0] < 0, fresh, lambda: state)
-            state = (epoch, skip, seed_now, order)
+        epoch, skip, seed_now, order = tf.cond(state[0] < 0, fresh, lambda: state)
         position = (step + skip) % num_batches
         start = position * batch_size
-        picked = gather(order[start : tf.minimum(start + batch_size, n)])
-        if keyed:
-            picked = (picked, fold_key(tf.stack([seed_now, epoch]), BATCH_DOMAIN, position))
-        return state, picked
+        index = order[start : tf.minimum(start + batch_size, n)]
+        key = fold_key(tf.stack([seed_now, epoch]), BATCH_DOMAIN, position)
+        return (epoch, skip, seed_now, order), (index, key)
 
-    order = tf.zeros([n], tf.int64)
-    if n <= _ORDER_COPIED:
-        initial: Any = (tf.constant([-1, -1, -1], tf.int64), order)
-    else:
-        minus_one, zero = tf.constant(-1, tf.int64), tf.constant(0, tf.int64)
-        initial = (minus_one, zero, zero, order)
+    minus_one, zero = tf.constant(-1, tf.int64), tf.constant(0, tf.int64)
+    initial = (minus_one, zero, zero, tf.zeros([n], tf.int64))
     return tf.data.Dataset.range(num_batches).scan(initial, next_batch)
 
 

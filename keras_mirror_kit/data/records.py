@@ -173,7 +173,7 @@ def record_batches(
         return batches.enumerate().map(describe)
 
     def take_cursor(_: tf.Tensor) -> Any:
-        return tuple(tf.unstack(cursor._take()))  # noqa: SLF001
+        return tuple(tf.reshape(value, []) for value in cursor._take())  # noqa: SLF001
 
     return tf.data.Dataset.range(1).map(take_cursor).flat_map(epoch_of)
 

@@ -13,7 +13,7 @@ Tables (a pandas `DataFrame`, or a dict of columns) become a dict of arrays, one
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -74,75 +74,32 @@ def to_tensors(x: Any, name: str = "x") -> Any:
         return tf.nest.map_structure(tf.convert_to_tensor, arrays)
 
 
-# `tf.random.experimental.index_shuffle(i, seed=[a, b])` is this op with seed `[_PAD, a, b]`.
-_INDEX_SHUFFLE_PAD = 498247692
-
-
-class _Batch(Mapping[str, Any]):
-    """One batch's fields, each made (as graph ops) only when asked for: every op of a
-    per-epoch function costs its instantiation at each epoch's start."""
-
-    def __init__(self, makers: dict[str, Callable[[], Any]]) -> None:
-        self._makers, self._made = makers, {}
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in self._made:
-            self._made[name] = self._makers[name]()
-        return self._made[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._makers)
-
-    def __len__(self) -> int:
-        return len(self._makers)
-
-
 def index_batches(
-    cursor: DatasetCursor,
-    n: int,
-    batch_size: int,
-    num_batches: int,
-    shuffle: bool,
-    emit: Callable[[Mapping[str, Any]], Any] | None = None,
+    cursor: DatasetCursor, n: int, batch_size: int, num_batches: int, shuffle: bool
 ) -> tf.data.Dataset:
-    """One epoch of batches of sample indices, from the cursor's (epoch, skip, seed).
+    """One epoch of batches of sample indices, from the cursor's (epoch, skip, seed)."""
 
-    Each element is the batch's dict (`ids`, `epoch_key`, `position`, `last`), or what
-    `emit` makes of its fields in the same function: one function, no control flow and
-    few ops, since tf.data instantiates it (Grappler optimizing each op) at every epoch.
-    """
-    full = n % batch_size == 0 or n // batch_size == num_batches  # every batch is whole
-    with tf.device("/cpu:0"):  # captured by the input pipeline, which runs on the host
-        offsets = tf.range(batch_size, dtype=tf.int64)
-        last_index = tf.constant(n - 1, tf.int64)
-
-    def next_batch(state: tf.Tensor, step: tf.Tensor) -> Any:
-        # The iterator's first batch reads the cursor and moves it on; later ones keep it.
-        state = cursor._take_if(state)  # noqa: SLF001
-        epoch, skip, seed = tf.unstack(state)
+    def next_batch(state: Any, step: tf.Tensor) -> Any:
+        taken = tf.cond(state[0] < 0, cursor._take, lambda: state)  # noqa: SLF001
+        epoch, skip, seed = (tf.reshape(value, []) for value in taken)
         position = (step + skip) % num_batches
-        if full:
-            where = position * batch_size + offsets
-        else:
-            start = position * batch_size
-            where = tf.range(start, tf.minimum(start + batch_size, n))
-        ids = where
-        if shuffle:  # index_shuffle's op without its wrapper's ops
-            seeds = tf.stack([tf.constant(_INDEX_SHUFFLE_PAD, tf.int64), seed, epoch])
-            ids = tf.raw_ops.RandomIndexShuffle(
-                index=where, seed=seeds, max_index=last_index, rounds=4
+        start = position * batch_size
+        where = tf.range(start, tf.minimum(start + batch_size, n), dtype=tf.int64)
+        if shuffle:
+            ids = tf.random.experimental.index_shuffle(
+                where, seed=tf.stack([seed, epoch]), max_index=tf.constant(n - 1, tf.int64)
             )
-        batch = _Batch(
-            {
-                "ids": lambda: ids,
-                "epoch_key": lambda: tf.stack([seed, epoch]),
-                "position": lambda: position,
-                "last": lambda: tf.equal(step, num_batches - 1),
-            }
-        )
-        return state, dict(batch) if emit is None else emit(batch)
+        else:
+            ids = where
+        batch = {
+            "ids": ids,
+            "epoch_key": tf.stack([seed, epoch]),
+            "position": position,
+            "last": tf.equal(step, num_batches - 1),
+        }
+        return (epoch, skip, seed), batch
 
-    initial = tf.constant([-1, -1, -1], tf.int64)  # (epoch, skip, seed): not read yet
+    initial = (tf.constant(-1, tf.int64), tf.constant(0, tf.int64), tf.constant(0, tf.int64))
     return tf.data.Dataset.range(num_batches).scan(initial, next_batch)
 
 
@@ -172,7 +129,7 @@ def indexed_dataset(
             batch["labels"] = tf.nest.map_structure(lambda t: tf.gather(t, batch["ids"]), labels)
         return batch
 
-    batches = index_batches(cursor, n, batch_size, num_batches, shuffle, emit=gather)
+    batches = index_batches(cursor, n, batch_size, num_batches, shuffle).map(gather)
     last_size = 0 if drop else n % batch_size
     dataset = load_batches(
         batches,
