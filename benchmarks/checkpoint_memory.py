@@ -16,7 +16,11 @@ Configurations, each on each schedule:
 * `none`: no checkpoint (the run the others of its schedule are measured against).
 * `kit-sync`: `kmk.SyncedCheckpoint(save_freq=...)` (a fit from scratch: it also writes
   the state it starts from, `fit-start.kmk`, for a retry of the `fit`).
-* `kit-async`: `kmk.SyncedCheckpoint(save_freq=..., async_save=True)`.
+* `kit-async`: `kmk.SyncedCheckpoint(save_freq=..., async_save=True)` (the default
+  `async_host_memory=0.2`: the last variables that fit in a fifth of the state are staged
+  and written in the background, the others before training goes on).
+* `kit-async-all`: the same with `async_host_memory=1.0` (the whole state staged: one host
+  copy of it, every value written in the background).
 * `keras`: `keras.callbacks.BackupAndRestore(save_freq=...)` (weights and optimizer in one
   `.weights.h5`, written in place).
 
@@ -40,10 +44,11 @@ Figures:
   background writer's competition for the CPUs and any wait at the next save or at the end
   of `fit`. The `none` run's figure, computed alike, is the noise floor.
 
-Targets (issue 12, and "What the kit costs" for both schedules): synchronous extra peak
-<= 0.25x the state, asynchronous <= 1.1x (its staging arrays are one host copy of the state
-by design; the start state must add nothing to it); the asynchronous save costs the loop
-<= 10% of what the synchronous one blocks it.
+Targets ("What the kit costs", issue 47, for both schedules): extra peak <= 0.25x the
+state for synchronous saves and for asynchronous ones at the default share; with the whole
+state staged (issue 12) <= 1.1x (one host copy of the state by design; the start state
+must add nothing to it), and such a save costs the loop <= 10% of what the synchronous one
+blocks it. The default asynchronous save's cost is printed beside the synchronous one's.
 
 Usage:
 
@@ -73,7 +78,7 @@ from _report import say  # benchmarks/_report.py
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-MODES = ("none", "kit-sync", "kit-async", "keras")
+MODES = ("none", "kit-sync", "kit-async", "kit-async-all", "keras")
 SCHEDULES = ("step", "epoch")
 REPLICAS, GLOBAL_BATCH, WIDTH, LAYERS = 2, 16, 4096, 3
 MIB = 1024**2
@@ -170,9 +175,13 @@ def child(
 
     callbacks: list[keras.callbacks.Callback] = []
     freq: str | int = "epoch" if schedule == "epoch" else save_every
-    if mode in ("kit-sync", "kit-async"):
+    if mode.startswith("kit-"):
+        share = 1.0 if mode == "kit-async-all" else 0.2  # 0.2: the default
+        asynchronous = mode != "kit-sync"
         callbacks.append(
-            kmk.SyncedCheckpoint(directory, save_freq=freq, async_save=mode == "kit-async", keep=1)
+            kmk.SyncedCheckpoint(
+                directory, save_freq=freq, async_save=asynchronous, async_host_memory=share, keep=1
+            )
         )
     elif mode == "keras":
         callbacks.append(keras.callbacks.BackupAndRestore(directory, save_freq=freq))
@@ -362,10 +371,12 @@ def report(
             f"{row['start_write_s']:>16.2f} s "
             f"{cost:>10} {row['steps_per_s_before']:>15.2f} {row['steps_per_s_window']:>18.2f}"
         )
-    if "kit-sync" in rows and "kit-async" in rows:
-        sync, asynchronous = rows["kit-sync"], rows["kit-async"]
+    if "kit-sync" in rows:
+        sync = rows["kit-sync"]
         say()
-        for name, row, target in (("sync", sync, 0.25), ("async", asynchronous, 1.1)):
+        targets = (("kit-sync", 0.25), ("kit-async", 0.25), ("kit-async-all", 1.1))
+        for name, target in targets:
+            row = rows.get(name, {})
             for key, how in (("extra_mib", "median"), ("lowest_extra_mib", "lowest peaks")):
                 if key in row:
                     ratio = row[key] / state
@@ -374,14 +385,18 @@ def report(
                         f"target ({schedule} saves): {name} extra peak <= {target}x the state "
                         f"({how}): {ratio:.2f}x -> {verdict}"
                     )
-        if sync["save_cost_s"] > 0:
-            share = asynchronous["save_cost_s"] / sync["save_cost_s"]
-            verdict = "PASS" if share <= 0.10 else "FAIL"
-            costs = f"{asynchronous['save_cost_s']:.2f} / {sync['save_cost_s']:.2f} s"
-            say(
-                f"target ({schedule} saves): async save cost <= 10% of the sync's: {costs} = "
-                f"{share:.0%} -> {verdict}"
-            )
+        for name in ("kit-async", "kit-async-all"):
+            if name in rows and sync["save_cost_s"] > 0:
+                share = rows[name]["save_cost_s"] / sync["save_cost_s"]
+                costs = f"{rows[name]['save_cost_s']:.2f} / {sync['save_cost_s']:.2f} s"
+                if name == "kit-async":  # no target: the unstaged part blocks, as in sync
+                    say(f"({schedule} saves) kit-async save cost / sync's: {costs} = {share:.0%}")
+                    continue
+                verdict = "PASS" if share <= 0.10 else "FAIL"
+                say(
+                    f"target ({schedule} saves): {name} save cost <= 10% of the sync's: "
+                    f"{costs} = {share:.0%} -> {verdict}"
+                )
     return True
 
 

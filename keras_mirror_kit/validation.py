@@ -73,6 +73,16 @@ def non_negative_number(name: str, value: object, meaning: str = "") -> float:
     return _number(name, value, True, meaning)
 
 
+def share_of_one(name: str, value: object) -> float:
+    """`value` as a float if it is a finite real from 0 to 1 (a share of something)."""
+    number = float(value) if isinstance(value, numbers.Real) else math.nan
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        non_negative_number(name, value, "a share, from 0 to 1")  # raises the TypeError
+    if not 0 <= number <= 1:  # NaN too
+        raise ValueError(f"`{name}` must be a share, from 0 to 1. Received: {name}={value}")
+    return number
+
+
 def optional_positive_number(name: str, value: object, meaning: str = "") -> float | None:
     """Like `positive_number`, but None passes through (an optional figure not given)."""
     return None if value is None else positive_number(name, value, meaning)

@@ -144,9 +144,13 @@ def environment_restored():
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under `--dist loadfile` (README's command) xdist sends modules in collection order
-    (`pytest_collection_modifyitems`, below), not by their number of tests."""
+    (`pytest_collection_modifyitems`, below), not by their number of tests; and a worker
+    that crashes ends the run (its test failed) instead of being replaced: a replaced worker
+    can hang `loadfile` forever (pytest-dev/pytest-xdist#784)."""
     if getattr(config.option, "dist", None) == "loadfile":
         config.option.loadscopereorder = False
+        if getattr(config.option, "maxworkerrestart", None) is None:
+            config.option.maxworkerrestart = 0
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -82,8 +82,9 @@ def test_background_writes_hold_the_state_of_their_step_while_training_goes_on(
     monkeypatch.setattr(checkpoint_store, "atomic_write", write_after_one_more_step)
     model, ds = build("adam"), dataset()
     checkpoint = SyncedCheckpoint(
-        tmp_path / "async", save_freq=2, keep=100, dataset=ds, async_save=True
-    )
+        tmp_path / "async", save_freq=2, keep=100, dataset=ds, async_save=True,
+        async_host_memory=1.0,  # all of the state staged: every value written in the background
+    )  # fmt: skip
     seen: list[tuple[int, list]] = []
 
     class Watch(keras.callbacks.Callback):
@@ -114,6 +115,125 @@ def test_background_writes_hold_the_state_of_their_step_while_training_goes_on(
     assert len(global_steps) >= 4 and global_steps == sorted(set(global_steps))  # distinct
     _, last = _arrays(ours, ours.entries()[-1])
     assert max_diff(last, [v.numpy() for _, v in state_variables(model)]) == 0.0
+
+
+@pytest.mark.slow
+def test_only_a_share_of_the_state_is_staged_the_rest_is_read_while_training_waits(
+    tmp_path, monkeypatch
+):
+    """`async_host_memory` (issue 47): the staging arrays hold the last variables that fit in
+    that share of the state; the others are read from the variables while training waits
+    (no step runs until they are read), the staged rest is written while training goes on;
+    each file holds its own step's state, as a synchronous save's."""
+    from keras_mirror_kit.checkpoint import snapshot as snapshot_module
+    from keras_mirror_kit.checkpoint.state import state_variables
+
+    model, ds = build("adam"), dataset()
+    sync = SyncedCheckpoint(tmp_path / "sync", save_freq=2, keep=100, dataset=ds)
+    model.fit(ds, epochs=2, verbose=0, callbacks=[sync])
+
+    steps, real_items = Steps(), snapshot_module.StateSnapshot.items
+    reads: list[tuple[int, int, int]] = []  # (values read live, steps meanwhile, after staged)
+
+    def items(self):
+        at_save, live, went_on = steps.done, self.live, 0
+        for i, item in enumerate(real_items(self)):
+            if i < live:
+                assert steps.done == at_save, "a training step ran while the state was read"
+            elif i == live and live < len(self.keys):  # staged: training may go on now
+                with steps.changed:
+                    assert steps.changed.wait_for(lambda: steps.done > at_save or steps.ended, 120)
+                    went_on = steps.done - at_save
+            yield item
+        reads.append((live, went_on, len(self.keys) - live))
+
+    monkeypatch.setattr(snapshot_module.StateSnapshot, "items", items)
+    model, ds = build("adam"), dataset()
+    checkpoint = SyncedCheckpoint(
+        tmp_path / "async", save_freq=2, keep=100, dataset=ds, async_save=True,
+        async_host_memory=0.5,
+    )  # fmt: skip
+    staged: list[int] = []
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            staged.append(checkpoint._staging.nbytes)  # noqa: SLF001
+
+    model.fit(ds, epochs=2, verbose=0, callbacks=[steps, checkpoint, Watch()])
+    monkeypatch.undo()
+    state = sum(v.numpy().nbytes for _, v in state_variables(model))
+    assert len(set(staged)) == 1 and 0 < staged[0] <= 0.5 * state, (staged, state)
+    assert len(reads) == 7  # fit-start.kmk and the 6 saves
+    assert all(live > 0 and rest > 0 for live, _, rest in reads), reads
+    assert any(went_on > 0 for _, went_on, _ in reads), reads  # training went on meanwhile
+    ours, theirs = CheckpointStore(tmp_path / "async"), CheckpointStore(tmp_path / "sync")
+    assert [e.file for e in ours.entries()] == [e.file for e in theirs.entries()]
+    for a, b in zip(ours.entries(), theirs.entries()):
+        assert max_diff(_arrays(ours, a)[1], _arrays(theirs, b)[1]) <= 1e-6, a.file
+
+
+def test_async_host_memory_is_a_share_from_0_to_1(tmp_path):
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="async_host_memory"):
+            SyncedCheckpoint(tmp_path, async_save=True, async_host_memory=bad)
+    with pytest.raises(TypeError, match="async_host_memory"):
+        SyncedCheckpoint(tmp_path, async_save=True, async_host_memory="half")
+    assert SyncedCheckpoint(tmp_path, async_host_memory=0).async_host_memory == 0.0
+
+
+def test_host_staging_keeps_the_last_variables_that_fit_in_its_share(caplog):
+    import numpy as np
+
+    from keras_mirror_kit.checkpoint.snapshot import HostStaging
+
+    sizes = [400, 40, 200, 160]  # bytes of float32 variables
+    variables = [("model", keras.Variable(np.zeros(n // 4, "float32"))) for n in sizes]
+    staging = HostStaging()
+    with caplog.at_level("INFO", logger="keras_mirror_kit"):
+        assert staging.prepare(variables, 0.45) == (360, 800)  # 160 + 200: 40 more would not fit
+    assert staging.first_staged == 2 and staging.nbytes == 360
+    assert [staging.holds(i, 4) for i in range(4)] == [False, False, True, True]
+    assert not staging.holds(3, 5)  # another state than the one prepared: nothing staged
+    assert "0.0 of the state's 0.0 MiB" in caplog.text and "async_host_memory" in caplog.text
+    assert staging.prepare(variables, 0.5) == (400, 800) and staging.first_staged == 1
+    assert staging.prepare(variables, 1.0) == (800, 800) and staging.first_staged == 0
+    assert staging.prepare(variables, 0.0) == (0, 800) and staging.nbytes == 0
+
+
+def test_a_write_that_fails_before_reading_the_live_values_does_not_hold_training():
+    """`submit` waits for the live values; a write that raises first lets it return, and
+    its error comes at the next `wait`."""
+    import numpy as np
+
+    from keras_mirror_kit.checkpoint.snapshot import BackgroundWriter, StateSnapshot
+
+    snapshot = StateSnapshot(
+        ["model/00000", "model/00001"], ["model:a", "model:b"], [np.ones(2), np.ones(2)], [], {},
+        live=2,
+    )  # fmt: skip
+    writer = BackgroundWriter()
+
+    def write() -> None:
+        raise OSError(28, "No space left on device")
+
+    writer.submit(write, snapshot)  # returns: the write ended without reading anything
+    with pytest.raises(OSError, match="No space"):
+        writer.wait()
+
+
+def test_a_save_whose_wait_was_interrupted_reads_no_live_value():
+    """After the training thread stopped waiting (an interrupt), the write fails instead of
+    reading variables training may already be changing."""
+    import numpy as np
+
+    from keras_mirror_kit.checkpoint.snapshot import StateSnapshot
+
+    snapshot = StateSnapshot(["model/00000"], ["model:a"], [np.ones(2)], [], {}, live=1)
+    snapshot._live_read.wait = lambda: (_ for _ in ()).throw(KeyboardInterrupt)  # noqa: SLF001
+    with pytest.raises(KeyboardInterrupt):
+        snapshot.wait_live_read()
+    with pytest.raises(RuntimeError, match="stopped waiting"):
+        next(snapshot.items())
 
 
 class BreakManifest(keras.callbacks.Callback):
@@ -206,7 +326,7 @@ def test_host_staging_reuses_its_arrays_and_follows_shape_changes():
 
     from keras_mirror_kit.checkpoint.snapshot import HostStaging
 
-    staging = HostStaging()
+    staging = HostStaging()  # the whole state staged (async_host_memory=1.0)
     variables = [("model", keras.Variable(np.ones((3, 4), "float32"))),
                  ("model", keras.Variable(np.zeros(5, "int64")))]  # fmt: skip
     staging.prepare(variables)

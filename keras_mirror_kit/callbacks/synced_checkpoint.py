@@ -68,6 +68,7 @@ from keras_mirror_kit.validation import (
     check_path,
     non_negative_number,
     positive_int_or,
+    share_of_one,
 )
 from keras_mirror_kit.with_block import check_callback_model
 
@@ -156,15 +157,19 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             (every worker at the same step) and end the process with `Preempted` (status
             75); default `(signal.SIGTERM,)`, `()` for none (handled in the main thread).
         async_save: Write each checkpoint in a background thread while training goes on:
-            the chief copies the state into host arrays at the step boundary (one host
-            copy, reused by every save); the next save and the end of `fit` wait for the
+            the chief copies the state, up to `async_host_memory` of it, into host arrays
+            at the step boundary (allocated once); the next save and the end of `fit` wait for the
             previous write (`wait_for_pending_save()` too); a failed write raises
             `CheckpointWriteError` at the next step or the end of `fit`.
+        async_host_memory: With `async_save`, the most host memory those arrays take, as
+            a share of the state (0 to 1; default 0.2): the last variables that fit are
+            written in the background, the others before training goes on (logged at
+            INFO). 1.0 writes all of it in the background, for one host copy of the state.
 
     Raises:
         TypeError: On a wrong argument type.
-        ValueError: On a bad `directory` (empty), `save_freq`, `keep`, `keep_best`,
-            `monitor` (empty), `mode`, `verify_atol` or `dataset`; at a save with
+        ValueError: On a bad `directory` (empty), `save_freq`, `keep`, `keep_best`, `monitor`
+            (empty), `mode`, `verify_atol`, `async_host_memory` or `dataset`; at a save with
             `mode="auto"`, for a `monitor` whose direction is unknown; after the first
             batch, when `fit` iterates another dataset than `dataset=`; before any step,
             when a callback listed after it restored a state over the checkpoint's.
@@ -209,6 +214,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         keep_best: int = 0,
         preemption_signals: Any = (signal.SIGTERM,),
         async_save: bool = False,
+        async_host_memory: float = 0.2,
     ) -> None:
         super().__init__()
         fit_hooks.install()  # any model's fit() then hands over its callbacks (FitHooks)
@@ -232,14 +238,12 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._store.monitor = monitor if keep_best else None
         self.directory = self._store.directory
         self._lock = DirectoryLock(self.directory)  # one writer per directory (the chief)
-        self.save_freq = save_freq
-        self.keep = keep
-        self.restore = bool(restore)
-        self.verify_replicas = bool(verify_replicas)
+        self.save_freq, self.keep = save_freq, keep
+        self.restore, self.verify_replicas = bool(restore), bool(verify_replicas)
         self.verify_atol = non_negative_number("verify_atol", verify_atol)
-        self.strict = bool(strict)
-        self.allow_non_finite = bool(allow_non_finite)
+        self.strict, self.allow_non_finite = bool(strict), bool(allow_non_finite)
         self.async_save = check_bool("async_save", async_save)
+        self.async_host_memory = share_of_one("async_host_memory", async_host_memory)
         self._writer = BackgroundWriter()  # the write in progress with async_save=True
         self._staging = HostStaging()  # where async_save snapshots are copied (chief)
         self.monitor, self.mode, self.keep_best = monitor, mode, keep_best
@@ -260,18 +264,14 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._is_chief = True
         self._epoch = 0
         self._resume_epoch: int | None = None
-        self._resume_skip = 0
-        self._epoch_skip = 0
-        self._steps_in_epoch = 0
-        self._steps_in_fit = 0
-        self._last_save_mark = 0
+        self._resume_skip = self._epoch_skip = self._steps_in_epoch = 0
+        self._steps_in_fit = self._last_save_mark = 0
         self._want_epoch_end = False  # the resumed epoch has run its remaining batches
         self._ending_epoch_early = False  # ...and this callback asked Keras to end it
         self._foreign_stop = False  # someone else had asked to stop at that point
         self._reported_batch_norm = False
         self._fit = FitRecord()  # which fit() of the script this is (fit_record.py)
-        self._trained = False
-        self._cursor_checked = False
+        self._trained = self._cursor_checked = False
         self._last_save: tuple[int, int, bool, bool] | None = None  # epoch, step, end, stop
         self._tracked: list[tuple[str, Any]] = []
         self._pending_states: tuple[Mapping[str, Any], Mapping[str, np.ndarray]] | None = None
@@ -356,8 +356,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         elif self.restore:
             self._restore()
             check_workers_agree(self.model, self.last_restored, self._resume_skip, self.directory)
-        if self.async_save and self._is_chief:  # one host copy of the state, for this fit
-            self._staging.prepare(state_variables(self.model))
+        if self.async_save and self._is_chief:  # host arrays for this fit, within the share
+            self._staging.prepare(state_variables(self.model), self.async_host_memory)
         if not retry:  # (every worker alike, whatever each read: its snapshot is collective)
             self._write_start()
         self._preemption.start(self.model)  # save on SIGTERM (preemption.py)
@@ -380,7 +380,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         meta = self._meta(snapshot, 0, 0, epoch_end=True, stopped=False, logs=None, start=True)
         write = self._store.write_start
         if self.async_save:
-            self._writer.submit(lambda: write(snapshot.items(), meta))
+            self._writer.submit(lambda: write(snapshot.items(), meta), snapshot)
         else:
             write(snapshot.items(), meta)
 
@@ -636,7 +636,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             return
         meta = self._meta(snapshot, epoch, step, epoch_end, stopped, logs)
         if self.async_save:
-            self._writer.submit(lambda: self._write(snapshot, meta, ends_start))
+            self._writer.submit(lambda: self._write(snapshot, meta, ends_start), snapshot)
         else:
             self._write(snapshot, meta, ends_start)
         self._start = None if ends_start else self._start

@@ -9,11 +9,16 @@ memory, not the state.
 For asynchronous saves the snapshot copies the state into a `HostStaging`: host arrays
 allocated (and their pages touched) once, at the start of `fit`, and reused by every save,
 as PyTorch's asynchronous checkpoints reuse their staging buffers. Taking the snapshot is
-then one copy of the state into memory that is already there (about 40 ms for 576 MiB on
-one CPU core) and nothing else: training goes on with its own buffers, no device memory is
-added, and the background thread writes straight from the staging arrays. (Holding the
-read tensors instead, TensorFlow's copy-on-write, costs the training step that next
-updates each variable a fresh allocation of it, on every save.)
+then one copy into memory that is already there (about 40 ms for 576 MiB on one CPU core)
+and nothing else: training goes on with its own buffers, no device memory is added, and
+the background thread writes straight from the staging arrays. (Holding the read tensors
+instead, TensorFlow's copy-on-write, costs the training step that next updates each
+variable a fresh allocation of it, on every save.) The staging holds at most a share of
+the state (`SyncedCheckpoint(async_host_memory=)`): the last variables of the saved order
+that fit in it. The others, first in the file, are read from the variables themselves,
+one at a time as they are written, while training waits (`StateSnapshot.wait_live_read`);
+the staged rest is written in the background: a save costs the loop the write of the
+unstaged part.
 
 `BackgroundWriter` runs those writes for `SyncedCheckpoint(async_save=True)`, one at a
 time in a background thread: the training loop goes on while the file is written; the
@@ -28,6 +33,7 @@ the CPU (on a GPU host the writer mostly waits for the disk).
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -40,7 +46,15 @@ from keras_mirror_kit import backends
 from keras_mirror_kit.checkpoint.state import global_random_state
 from keras_mirror_kit.checkpoint.store import CheckpointError
 
-__all__ = ["WRITER_NICE", "BackgroundWriter", "HostStaging", "StateSnapshot", "take_snapshot"]
+__all__ = [
+    "WRITER_NICE",
+    "BackgroundWriter",
+    "HostStaging",
+    "StateSnapshot",
+    "take_snapshot",
+]
+
+logger = logging.getLogger("keras_mirror_kit")
 
 #: The `nice` value of the writer thread on Linux (the lowest scheduling priority).
 WRITER_NICE = 19
@@ -49,26 +63,58 @@ WRITER_NICE = 19
 class HostStaging:
     """Host arrays an asynchronous save copies the state into, allocated once and reused.
 
-    `prepare` allocates one array per state variable and touches its pages, so that no
-    save pays for fresh memory; `copy` copies a tensor into its array (a new array only
-    when the variable's shape or dtype changed). The next snapshot may only be taken once
-    the previous one is written (`SyncedCheckpoint` waits for it).
+    `prepare` allocates one array for each of the last variables that fit in a share of the
+    state and touches its pages, so that no save pays for fresh memory; `copy` copies a
+    tensor into its array (a new array only when the variable's shape or dtype changed).
+    The next snapshot may only be taken once the previous one is written
+    (`SyncedCheckpoint` waits for it).
     """
 
     def __init__(self) -> None:
         self._arrays: list[np.ndarray | None] = []
+        self.first_staged = 0  # the variables from this index on are staged
+        self._count: int | None = None  # how many variables prepare() was given
 
     @property
     def nbytes(self) -> int:
         """The host memory held, in bytes."""
         return sum(a.nbytes for a in self._arrays if a is not None)
 
-    def prepare(self, named: list[tuple[str, Any]]) -> None:
-        """Allocates and touches an array for each variable (none is read: no collective)."""
+    def prepare(self, named: list[tuple[str, Any]], share: float = 1.0) -> tuple[int, int]:
+        """Allocates and touches arrays for the last variables that fit in `share` of the state.
+
+        Nothing is read (no collective). Logged at INFO.
+
+        Args:
+            named: The state's `(group, variable)` pairs, in the saved order.
+            share: The most of the state's bytes to stage, from 0 to 1.
+
+        Returns:
+            The bytes staged and the state's bytes.
+        """
         backend = backends.current()
-        for i, (_, variable) in enumerate(named):
-            self._array(i, *backend.host_layout(variable))
+        layouts = [backend.host_layout(variable) for _, variable in named]
+        sizes = [int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                 for shape, dtype in layouts]  # fmt: skip
+        budget, staged, first = share * sum(sizes), 0, len(named)
+        while first > 0 and staged + sizes[first - 1] <= budget:
+            first -= 1
+            staged += sizes[first]
+        self.first_staged, self._count = first, len(named)
+        self._arrays[: min(first, len(self._arrays))] = [None] * min(first, len(self._arrays))
+        for i in range(first, len(named)):
+            self._array(i, *layouts[i])
         del self._arrays[len(named) :]
+        _log_staging(staged, sum(sizes), max(sizes, default=0))
+        return staged, sum(sizes)
+
+    def prepared_for(self, count: int) -> bool:
+        """Whether `prepare` was given a state of `count` variables (else none is staged)."""
+        return count == self._count
+
+    def holds(self, index: int, count: int) -> bool:
+        """Whether variable `index` of a state of `count` variables is staged."""
+        return self.prepared_for(count) and index >= self.first_staged
 
     def copy(self, index: int, tensor: Any) -> np.ndarray:
         """Copies `tensor` (a backend's array) into the array of variable `index`; returns it.
@@ -83,6 +129,7 @@ class HostStaging:
     def release(self) -> None:
         """Frees the arrays (at the end of `fit`)."""
         self._arrays = []
+        self.first_staged, self._count = 0, None
 
     def _array(self, index: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """The staging array of variable `index`, (re)allocated and touched if needed."""
@@ -95,6 +142,28 @@ class HostStaging:
         return array
 
 
+def _log_staging(staged: int, state: int, largest: int) -> None:
+    """Says at INFO how much of the state an asynchronous save writes in the background."""
+    mib = 1024**2
+    if staged >= state:
+        logger.info(
+            "keras-mirror-kit: async_save copies all of the state (%.1f MiB) to host memory "
+            "at each save and writes it in the background.",
+            state / mib,
+        )
+        return
+    logger.info(
+        "keras-mirror-kit: async_save copies %.1f of the state's %.1f MiB to host memory at "
+        "each save and writes it in the background; the other %.1f MiB are written before "
+        "training goes on%s (raise SyncedCheckpoint(async_host_memory=) up to 1.0 to write "
+        "more in the background, at that share of the state in host memory).",
+        staged / mib,
+        state / mib,
+        (state - staged) / mib,
+        f" (the last variable alone is {largest / mib:.1f} MiB)" if staged == 0 else "",
+    )
+
+
 class StateSnapshot:
     """The values one save writes, in their saved order (staged on the host, or read when written).
 
@@ -105,7 +174,8 @@ class StateSnapshot:
     staged, a tensor read at snapshot time, or the variable itself, read when written),
     `non_finite` the paths holding NaN or Inf, `extra` small host arrays written after the
     variables (Keras' global random state as `"random/global"`; the callbacks' arrays are
-    added by the caller).
+    added by the caller). The first `live` values are read from the variables when
+    written: training must wait until they are (`wait_live_read`).
     """
 
     def __init__(
@@ -115,6 +185,7 @@ class StateSnapshot:
         sources: list[Any],
         non_finite: list[str],
         extra: dict[str, np.ndarray],
+        live: int = 0,
     ) -> None:
         self.keys = keys
         self.paths = paths
@@ -122,6 +193,28 @@ class StateSnapshot:
         self.extra = extra
         self._sources: list[Any] | None = sources
         self._host_value = backends.current().host_value  # also from the writer thread
+        self.live = live
+        self._live_read = threading.Event()
+        self._abandoned = False  # the training thread stopped waiting: no live read may follow
+        if live == 0:
+            self._live_read.set()
+
+    def mark_live_read(self) -> None:
+        """Lets `wait_live_read` return (the live values are read, or never will be)."""
+        self._live_read.set()
+
+    def wait_live_read(self) -> None:
+        """Waits until the values read from the variables themselves are written.
+
+        Raises:
+            BaseException: What interrupted the wait (KeyboardInterrupt); the write then
+                fails instead of reading variables training may change.
+        """
+        try:
+            self._live_read.wait()
+        except BaseException:
+            self._abandoned = True
+            raise
 
     def items(self) -> Iterator[tuple[str, np.ndarray]]:
         """Yields `(name, array)`, the variables' then `extra`'s, one host copy at a time.
@@ -132,16 +225,25 @@ class StateSnapshot:
         if sources is None:
             raise RuntimeError("This state snapshot was already written or released.")
         host_value = self._host_value
-        for i, key in enumerate(self.keys):
-            source, sources[i] = sources[i], None  # held no longer than its write
-            if isinstance(source, np.ndarray):
-                value = source  # staged: written from the staging array itself
-            else:
-                value = host_value(source)
-            del source
-            yield key, value
-            del value
-        yield from self.extra.items()
+        try:
+            for i, key in enumerate(self.keys):
+                if i == self.live and i > 0:  # the live values are written: training goes on
+                    self._live_read.set()
+                    _lower_this_threads_priority()  # the writer thread's rest yields the CPU
+                if i < self.live and self._abandoned:
+                    raise RuntimeError("The training thread stopped waiting for this save.")
+                source, sources[i] = sources[i], None  # held no longer than its write
+                if isinstance(source, np.ndarray):
+                    value = source  # staged: written from the staging array itself
+                else:
+                    value = host_value(source)
+                del source
+                yield key, value
+                del value
+            self._live_read.set()
+            yield from self.extra.items()
+        finally:
+            self._live_read.set()
 
     def release(self) -> None:
         """Drops the tensors held (a snapshot that will not be written)."""
@@ -155,9 +257,9 @@ def take_snapshot(
 
     Every worker calls this alike (reads of variables synchronized on read are collectives),
     and every worker refuses a non-finite state alike. Only one boolean per variable comes
-    to the host. With `staging`, the values are copied into those host arrays now, so that
-    the variables may change before the snapshot is written (asynchronous saves); without
-    it the variables are read again, one at a time, when written.
+    to the host. With `staging`, the values it holds are copied into its host arrays now,
+    so that those variables may change before the snapshot is written (asynchronous
+    saves); the others are read again, one at a time, when written.
 
     Raises:
         CheckpointError: When a variable holds NaN or Inf and `allow_non_finite` is False.
@@ -173,7 +275,7 @@ def take_snapshot(
         if finite is not None:
             checks.append((variable.path, finite))
         on_read = backend.reads_collectively(variable)
-        if staging is not None:
+        if staging is not None and staging.holds(i, len(named)):
             sources.append(staging.copy(i, tensor))
         else:  # reads of on-read variables are collectives: read once here, on every worker
             sources.append(tensor if on_read else variable)
@@ -194,7 +296,10 @@ def take_snapshot(
     global_random = global_random_state()
     if global_random is not None:
         extra["random/global"] = global_random
-    return StateSnapshot(keys, paths, sources, bad, extra)
+    live = 0  # synchronous: nothing waits
+    if staging is not None:  # the unstaged values are read while training waits
+        live = staging.first_staged if staging.prepared_for(len(named)) else len(named)
+    return StateSnapshot(keys, paths, sources, bad, extra, live)
 
 
 def _lower_this_threads_priority() -> None:
@@ -218,19 +323,34 @@ class BackgroundWriter:
         """Whether a write was submitted and not yet waited for."""
         return self._thread is not None
 
-    def submit(self, write: Callable[[], object]) -> None:
-        """Waits for the previous write (raising what it raised), then starts `write`."""
+    def submit(self, write: Callable[[], object], snapshot: StateSnapshot | None = None) -> None:
+        """Waits for the previous write (raising what it raised), then starts `write`.
+
+        Args:
+            write: Writes the checkpoint (in the writer thread).
+            snapshot: What `write` writes: `submit` returns once its live values are written
+                (at the writer's normal priority; the rest at `WRITER_NICE`).
+
+        Raises:
+            Exception: What the previous write raised.
+        """
         self.wait()
 
         def run() -> None:
             try:
-                _lower_this_threads_priority()
+                if snapshot is None or snapshot.live == 0:
+                    _lower_this_threads_priority()
                 write()
             except BaseException as err:  # handed to the training thread
                 self._error = err
+            finally:
+                if snapshot is not None:
+                    snapshot.mark_live_read()
 
         self._thread = threading.Thread(target=run, name="kmk-checkpoint-writer", daemon=False)
         self._thread.start()
+        if snapshot is not None:
+            snapshot.wait_live_read()
 
     def wait(self) -> None:
         """Waits for the write in progress, if any, and raises what it raised (once)."""
