@@ -18,6 +18,12 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
   `tests/test_uneven_evaluation.py::test_plain_keras_still_fails_on_an_uneven_first_batch`
   and `tests/test_ecosystem_inputs.py::
   test_plain_keras_still_loses_batches_of_a_generator_under_a_strategy` fail.
+* `tf_generator_buffers`: on several replicas TensorFlow writes into the NumPy arrays a
+  generator or a `PyDataset` yields (shared through `from_generator`): repeated batches
+  train on overwritten labels, a `PyDataset`'s own arrays change. Each batch's arrays are
+  copied as they are yielded. No upstream report found (related:
+  tensorflow/tensorflow#45964). Remove when `tests/test_ecosystem_inputs.py::
+  test_plain_keras_still_overwrites_a_generators_arrays_on_two_replicas` fails.
 * `keras_replica_shares`: a batch that tf.distribute splits unevenly (13 samples: 7/6)
   trains other weights than one device, since each replica's mean loss is divided by the
   number of replicas; and a replica with no rows computes on an empty batch (a wrong shape
