@@ -71,9 +71,14 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
 from __future__ import annotations
 
 import re
+import threading
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "KerasPatch",
+    "Owned",
     "inner_optimizer",
     "keras_version_in",
     "parse_version",
@@ -107,6 +112,86 @@ def keras_version_in(
 
         keras_version = keras.__version__
     return version_in(keras_version, tested)
+
+
+class KerasPatch:
+    """A module's patches of Keras, applied once, and only to a Keras version it was tested on.
+
+    `apply(patch)` runs `patch` the first time (thread-safe) when `keras_version_in(tested)`,
+    and returns whether the patches are in place, then and at every later call.
+
+    Args:
+        tested: The module's `TESTED_KERAS`, `(low, high)`: `low <= version < high`.
+
+    Example:
+
+    ```python
+    _PATCH = KerasPatch(TESTED_KERAS)
+
+    def install() -> bool:
+        return _PATCH.apply(_patch)  # _patch() replaces what it wraps in Keras
+    ```
+    """
+
+    def __init__(self, tested: tuple[tuple[int, int, int], tuple[int, int, int]]) -> None:
+        self.tested = tested
+        self._lock = threading.Lock()
+        self._applied: bool | None = None
+
+    def apply(self, patch: Callable[[], None]) -> bool:
+        """Runs `patch` once where Keras is a tested version.
+
+        Args:
+            patch: Applies the module's patches (called at most once).
+
+        Returns:
+            Whether the patches are in place (False: Keras is outside `tested`).
+
+        Raises:
+            Exception: What `patch` raised (it runs again at the next call).
+        """
+        with self._lock:
+            if self._applied is None:
+                tested = keras_version_in(self.tested)
+                if tested:
+                    patch()
+                self._applied = tested
+            return self._applied
+
+
+class Owned:
+    """The objects (datasets, generators) the kit's models read, held weakly.
+
+    An object that cannot be weakly referenced is never in it (`in` says False).
+
+    Example:
+
+    ```python
+    _OWNED = Owned()
+    _OWNED.add(py_dataset)
+    assert py_dataset in _OWNED
+    ```
+    """
+
+    def __init__(self) -> None:
+        self._objects: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def add(self, thing: Any) -> None:
+        """Marks `thing` as read by a kit-built model.
+
+        Args:
+            thing: A dataset or generator (weakly referable).
+
+        Raises:
+            TypeError: When `thing` cannot be weakly referenced.
+        """
+        self._objects.add(thing)
+
+    def __contains__(self, thing: Any) -> bool:
+        try:
+            return thing in self._objects
+        except TypeError:  # not weakly referable: never added
+            return False
 
 
 def inner_optimizer(optimizer: Any) -> Any:

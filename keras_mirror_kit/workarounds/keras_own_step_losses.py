@@ -40,7 +40,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from keras_mirror_kit.workarounds import keras_version_in
+from keras_mirror_kit.workarounds import KerasPatch, keras_version_in
 
 __all__ = ["TESTED_KERAS", "UPSTREAM", "install", "is_active", "one_device_losses", "status"]
 
@@ -50,8 +50,7 @@ TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
 
 # `share()` of the step being traced in this thread: `(rows, total)` float32 tensors.
 _local = threading.local()
-_install_lock = threading.Lock()
-_installed: list[bool] = []
+_PATCH = KerasPatch(TESTED_KERAS)
 
 
 def status(keras_version: str | None = None) -> str:
@@ -125,20 +124,14 @@ def _scale_regularization_loss(original: Callable[[Any], Any]) -> Callable[[Any]
 
 def install() -> bool:
     """Installs the patches once (idempotent); False outside `TESTED_KERAS` (nothing done)."""
-    with _install_lock:
-        if _installed:
-            return _installed[0]
-        if not keras_version_in(TESTED_KERAS):
-            _installed.append(False)
-            return False
-        import tensorflow as tf
-        from keras.src.losses import loss as loss_module
+    return _PATCH.apply(_patch)
 
-        for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
-            setattr(loss_module, name, _unscaled(getattr(loss_module, name)))
-        tf.nn.compute_average_loss = _compute_average_loss(tf.nn.compute_average_loss)
-        tf.nn.scale_regularization_loss = _scale_regularization_loss(
-            tf.nn.scale_regularization_loss
-        )
-        _installed.append(True)
-        return True
+
+def _patch() -> None:
+    import tensorflow as tf
+    from keras.src.losses import loss as loss_module
+
+    for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
+        setattr(loss_module, name, _unscaled(getattr(loss_module, name)))
+    tf.nn.compute_average_loss = _compute_average_loss(tf.nn.compute_average_loss)
+    tf.nn.scale_regularization_loss = _scale_regularization_loss(tf.nn.scale_regularization_loss)

@@ -23,57 +23,43 @@ upstream behaviour.
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
 from typing import Any
 
-from keras_mirror_kit.workarounds import keras_version_in
+from keras_mirror_kit.workarounds import KerasPatch, Owned
 
 __all__ = ["TESTED_KERAS", "install", "own"]
 
 #: Keras versions the workaround was tested on: `low <= version < high`.
 TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
 
-_OWNED: weakref.WeakSet[Any] = weakref.WeakSet()  # PyDatasets a kit-built model reads
-_install_lock = threading.Lock()
-_installed: list[bool] = []
-
-
-def _is_owned(py_dataset: Any) -> bool:
-    try:
-        return py_dataset in _OWNED
-    except TypeError:
-        return False
+_OWNED = Owned()  # the PyDatasets kit-built models read
+_PATCH = KerasPatch(TESTED_KERAS)
 
 
 def install() -> bool:
     """Patches Keras' enqueuer generator once (inert for data not `own`ed); False when
     Keras is outside `TESTED_KERAS` (nothing done)."""
-    with _install_lock:
-        if _installed:
-            return _installed[0]
-        if not keras_version_in(TESTED_KERAS):
-            _installed.append(False)
-            return False
-        from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+    return _PATCH.apply(_patch)
 
-        original = PyDatasetAdapter._finite_enqueuer_generator  # noqa: SLF001
 
-        @functools.wraps(original)
-        def finite_enqueuer_generator(self: Any) -> Any:
-            if not _is_owned(self.py_dataset):
-                yield from original(self)
-                return
-            self.enqueuer.start()
-            num_batches = self.py_dataset.num_batches
-            for i, batch in enumerate(self.enqueuer.get()):
-                yield self._standardize_batch(batch)  # noqa: SLF001
-                if i >= num_batches - 1:
-                    return  # on_epoch_end stops this epoch's run, in the main thread
+def _patch() -> None:
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 
-        PyDatasetAdapter._finite_enqueuer_generator = finite_enqueuer_generator  # noqa: SLF001
-        _installed.append(True)
-        return True
+    original = PyDatasetAdapter._finite_enqueuer_generator  # noqa: SLF001
+
+    @functools.wraps(original)
+    def finite_enqueuer_generator(self: Any) -> Any:
+        if self.py_dataset not in _OWNED:
+            yield from original(self)
+            return
+        self.enqueuer.start()
+        num_batches = self.py_dataset.num_batches
+        for i, batch in enumerate(self.enqueuer.get()):
+            yield self._standardize_batch(batch)  # noqa: SLF001
+            if i >= num_batches - 1:
+                return  # on_epoch_end stops this epoch's run, in the main thread
+
+    PyDatasetAdapter._finite_enqueuer_generator = finite_enqueuer_generator  # noqa: SLF001
 
 
 def own(x: Any) -> None:

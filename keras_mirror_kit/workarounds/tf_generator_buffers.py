@@ -30,29 +30,19 @@ fresh arrays from it (`docs/input-pipeline.md`).
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
 from typing import Any
 
 import numpy as np
 
-from keras_mirror_kit.workarounds import keras_version_in
+from keras_mirror_kit.workarounds import KerasPatch, Owned
 
 __all__ = ["TESTED_KERAS", "install", "own"]
 
 #: Keras versions the workaround was tested on: `low <= version < high`.
 TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
 
-_OWNED: weakref.WeakSet[Any] = weakref.WeakSet()  # the sources kit-built models read
-_install_lock = threading.Lock()
-_installed: list[bool] = []
-
-
-def _is_owned(source: Any) -> bool:
-    try:
-        return source in _OWNED
-    except TypeError:
-        return False
+_OWNED = Owned()  # the generators and PyDatasets kit-built models read
+_PATCH = KerasPatch(TESTED_KERAS)
 
 
 def _copied(batch: Any) -> Any:
@@ -67,37 +57,33 @@ def _copied(batch: Any) -> Any:
 def install() -> bool:
     """Patches Keras' generator and `PyDataset` adapters once (inert for data not `own`ed);
     False when Keras is outside `TESTED_KERAS` (nothing done)."""
-    with _install_lock:
-        if _installed:
-            return _installed[0]
-        if not keras_version_in(TESTED_KERAS):
-            _installed.append(False)
-            return False
-        from keras.src.trainers.data_adapters.generator_data_adapter import (
-            GeneratorDataAdapter,
-        )
-        from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+    return _PATCH.apply(_patch)
 
-        standardize = PyDatasetAdapter._standardize_batch  # noqa: SLF001
 
-        @functools.wraps(standardize)
-        def standardize_batch(self: Any, batch: Any) -> Any:
-            batch = standardize(self, batch)
-            return _copied(batch) if _is_owned(self.py_dataset) else batch
+def _patch() -> None:
+    from keras.src.trainers.data_adapters.generator_data_adapter import (
+        GeneratorDataAdapter,
+    )
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 
-        init = GeneratorDataAdapter.__init__
+    standardize = PyDatasetAdapter._standardize_batch  # noqa: SLF001
 
-        @functools.wraps(init)
-        def generator_init(self: Any, generator: Any) -> None:
-            init(self, generator)
-            if _is_owned(generator):
-                batches = self.generator  # Keras' peeked batches, then the generator's
-                self.generator = lambda: map(_copied, batches())
+    @functools.wraps(standardize)
+    def standardize_batch(self: Any, batch: Any) -> Any:
+        batch = standardize(self, batch)
+        return _copied(batch) if self.py_dataset in _OWNED else batch
 
-        PyDatasetAdapter._standardize_batch = standardize_batch  # noqa: SLF001
-        GeneratorDataAdapter.__init__ = generator_init
-        _installed.append(True)
-        return True
+    init = GeneratorDataAdapter.__init__
+
+    @functools.wraps(init)
+    def generator_init(self: Any, generator: Any) -> None:
+        init(self, generator)
+        if generator in _OWNED:
+            batches = self.generator  # Keras' peeked batches, then the generator's
+            self.generator = lambda: map(_copied, batches())
+
+    PyDatasetAdapter._standardize_batch = standardize_batch  # noqa: SLF001
+    GeneratorDataAdapter.__init__ = generator_init
 
 
 def own(x: Any) -> None:
