@@ -105,7 +105,7 @@ class HostStaging:
         for i in range(first, len(named)):
             self._array(i, *layouts[i])
         del self._arrays[len(named) :]
-        _log_staging(staged, sum(sizes), max(sizes, default=0))
+        _log_staging(staged, sum(sizes), sizes[-1] if sizes else 0)
         return staged, sum(sizes)
 
     def prepared_for(self, count: int) -> bool:
@@ -142,7 +142,7 @@ class HostStaging:
         return array
 
 
-def _log_staging(staged: int, state: int, largest: int) -> None:
+def _log_staging(staged: int, state: int, last: int) -> None:
     """Says at INFO how much of the state an asynchronous save writes in the background."""
     mib = 1024**2
     if staged >= state:
@@ -160,7 +160,7 @@ def _log_staging(staged: int, state: int, largest: int) -> None:
         staged / mib,
         state / mib,
         (state - staged) / mib,
-        f" (the last variable alone is {largest / mib:.1f} MiB)" if staged == 0 else "",
+        f" (the last variable alone is {last / mib:.1f} MiB)" if staged == 0 else "",
     )
 
 
