@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import socket
 import sys
 from collections.abc import Iterator
@@ -261,11 +262,17 @@ def test_example_runs_on_jax(tmp_path):
     args = [EXAMPLE, "--epochs", "1", "--simulate-replicas", "2", "--train-samples", "512",
             "--steps-per-execution", "2", "--data", "synthetic", "--checkpoint-dir", "ckpt",
             "--output", "out/model.keras"]  # fmt: skip
-    # XLA ends the process when an all-reduce's other participant has not arrived after
-    # 40 s, which a loaded 2-core host running the suite's other processes can exceed with
-    # 2 simulated devices sharing its threads: allow it 300 s here.
-    slow_host = "--xla_cpu_collective_call_terminate_timeout_seconds=300"
-    proc = run(args, tmp_path, env={"KERAS_BACKEND": "jax", "XLA_FLAGS": slow_host})
+    # XLA:CPU's 2 simulated devices sometimes never meet in an all-reduce on this 2-core
+    # host (seen in 2 of 4 fresh-clone runs of the suite: one participant waited 300 s,
+    # then XLA ended the process, "Termination timeout for `all reduce ..."), an upstream
+    # deadlock, not the kit's. Such a run is retried once, after 60 s; any other failure
+    # fails the test.
+    stuck = "--xla_cpu_collective_call_terminate_timeout_seconds=60"
+    env = {"KERAS_BACKEND": "jax", "XLA_FLAGS": stuck}
+    proc = run(args, tmp_path, env=env)
+    if proc.returncode != 0 and "Termination timeout for `all reduce" in proc.stderr:
+        shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
+        proc = run(args, tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "DataParallel on cpu:0, cpu:1 (2 replicas)" in proc.stderr
     assert "global batch 128 = 64 per replica x 2" in proc.stderr
