@@ -16,6 +16,8 @@ import tensorflow  # noqa: F401 (imported at collection: the test bed's 2 logica
 
 from tests.subproc import REPO
 
+pytestmark = pytest.mark.slow  # it trains the page's GAN on 1 and 2 replicas
+
 PAGE = REPO / "docs" / "own-train-step.md"
 HEADING = "## A GAN written for one device"
 DECORATOR = "@kmk.distributed(global_batch_size=32)"

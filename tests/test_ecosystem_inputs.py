@@ -24,6 +24,8 @@ import tensorflow as tf
 
 import keras_mirror_kit as kmk
 
+pytestmark = pytest.mark.slow  # every test here trains on 1 and 2 replicas or starts a child
+
 ONE, TWO = ["/cpu:0"], ["/cpu:0", "/cpu:1"]
 BATCH, BATCHES = 8, 4
 TOLERANCE = 1e-6

@@ -36,6 +36,8 @@ from tests import own_step_models as models
 from tests.ckpt_helpers import StopAt
 from tests.subproc import REPO
 
+pytestmark = pytest.mark.slow  # every test here trains models on 1 and 2 replicas (seconds each)
+
 ONE, TWO = ["/cpu:0"], ["/cpu:0", "/cpu:1"]
 TOLERANCE = 1e-6
 BATCH = models.GLOBAL_BATCH
@@ -284,6 +286,7 @@ def test_plain_keras_still_scales_losses_per_replica() -> None:
 
 USER_MODULE = """
 from tests.own_step_models import data, make
+
 
 
 def vae():
