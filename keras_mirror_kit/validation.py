@@ -75,12 +75,10 @@ def non_negative_number(name: str, value: object, meaning: str = "") -> float:
 
 def share_of_one(name: str, value: object) -> float:
     """`value` as a float if it is a finite real from 0 to 1 (a share of something)."""
-    number = float(value) if isinstance(value, numbers.Real) else math.nan
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        non_negative_number(name, value, "a share, from 0 to 1")  # raises the TypeError
-    if not 0 <= number <= 1:  # NaN too
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if real and not 0 <= value <= 1:  # NaN and infinities too
         raise ValueError(f"`{name}` must be a share, from 0 to 1. Received: {name}={value}")
-    return number
+    return non_negative_number(name, value, "a share, from 0 to 1")
 
 
 def optional_positive_number(name: str, value: object, meaning: str = "") -> float | None:

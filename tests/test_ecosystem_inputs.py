@@ -172,24 +172,12 @@ def test_the_arrays_a_generator_or_a_pydataset_yields_are_left_as_they_were() ->
 
 def _child(mode: str) -> dict:
     """`tests/ecosystem_child.py MODE`'s result, in a process of its own."""
-    import json
-    import sys
+    from tests.subproc import last_json, run_python
 
-    from tests import forkserver
-
-    proc = forkserver.run(  # forked from the tests' zygote: TensorFlow already imported
-        [sys.executable, "-m", "tests.ecosystem_child", mode],
-        capture_output=True,
-        text=True,
-        timeout=300,  # a bound for a stuck child: it takes seconds
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise AssertionError(f"no result (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    code = f"import sys; sys.argv[1:] = [{mode!r}]; from tests.ecosystem_child import main; main()"
+    return last_json(run_python(code))
 
 
-@pytest.mark.slow
 def test_plain_keras_still_overwrites_a_generators_arrays_on_two_replicas() -> None:
     """Upstream: a generator's label arrays come back changed from a `fit` on 2 replicas
     (in a fresh process, after the first fit of 5 in every run measured). When this fails,
@@ -197,7 +185,6 @@ def test_plain_keras_still_overwrites_a_generators_arrays_on_two_replicas() -> N
     assert _child("overwrite")["overwritten_after"] is not None
 
 
-@pytest.mark.slow
 def test_a_pydataset_in_worker_processes_trains_as_plain_keras() -> None:
     """`workers=2, use_multiprocessing=True`: Keras forks its pool (in a process of its own
     here: a fork of the test process, which runs other tests' threads, crashed it)."""

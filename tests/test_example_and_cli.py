@@ -263,7 +263,7 @@ def test_example_runs_on_jax(tmp_path):
             "--steps-per-execution", "2", "--data", "synthetic", "--checkpoint-dir", "ckpt",
             "--output", "out/model.keras"]  # fmt: skip
     # XLA:CPU's 2 simulated devices sometimes never meet in an all-reduce on this 2-core
-    # host (seen in 2 of 4 fresh-clone runs of the suite: one participant waited 300 s,
+    # host (seen in 2 of 6 fresh-clone runs of the suite: one participant waited 300 s,
     # then XLA ended the process, "Termination timeout for `all reduce ..."), an upstream
     # deadlock, not the kit's. Such a run is retried once, after 60 s; any other failure
     # fails the test.

@@ -288,7 +288,6 @@ USER_MODULE = """
 from tests.own_step_models import data, make
 
 
-
 def vae():
     return make("vae", "sgd")
 
@@ -308,7 +307,6 @@ def form_data():
 """
 
 
-@pytest.mark.slow
 def test_doctor_names_the_own_train_step_and_the_refusal(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(USER_MODULE, encoding="utf-8")
 

@@ -251,8 +251,9 @@ def call(model: Any, engine: Engine, method: str, arguments: dict[str, Any]) -> 
     """Around one `fit`/`evaluate`/`predict` of a kit-built model, after its checks."""
     keras_jit_replicas.check(model, len(engine.devices), f"{method}()")
     keras_pydataset_epochs.own(arguments.get("x"))  # each epoch its own order
-    for name in ("x", "validation_data"):  # batches copied: TensorFlow may write into them
-        tf_generator_buffers.own(arguments.get(name))
+    if engine.num_replicas > 1:  # batches copied: TensorFlow may write into them there
+        for name in ("x", "validation_data"):
+            tf_generator_buffers.own(arguments.get(name))
     with tensorflow_preprocess.applied(model, method, arguments):
         yield
 

@@ -101,7 +101,8 @@ class HostStaging:
             first -= 1
             staged += sizes[first]
         self.first_staged, self._count = first, len(named)
-        self._arrays[: min(first, len(self._arrays))] = [None] * min(first, len(self._arrays))
+        unstaged = min(first, len(self._arrays))
+        self._arrays[:unstaged] = [None] * unstaged  # freed: those are read live
         for i in range(first, len(named)):
             self._array(i, *layouts[i])
         del self._arrays[len(named) :]

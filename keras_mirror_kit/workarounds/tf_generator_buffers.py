@@ -18,7 +18,8 @@ found; tensorflow/tensorflow#45964 discusses how tensors that share a NumPy buff
 mutated.
 
 The workaround, for the generators and `PyDataset`s given to the `fit`, `evaluate` and
-`predict` of models the kit built (`own`; Keras' classes and other data are untouched):
+`predict` of models the kit built on several replicas (`own`; one replica, Keras' classes
+and other data are untouched):
 each NumPy array of a batch is copied as it is yielded (one host copy of a batch, small
 next to a step), so TensorFlow writes, if at all, into memory nobody reads again.
 `tests/test_ecosystem_inputs.py::test_plain_keras_still_overwrites_a_generators_arrays_on_two_replicas`
