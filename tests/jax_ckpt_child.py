@@ -90,6 +90,7 @@ def main() -> int:
     fit(model, ds, root / "sync", save_freq=4)
     checkpoint_store.atomic_write, CheckpointStore.write = real_write, real_store_write
     result["reference"] = {"weights": save("reference", model), "writes": writes, "saves": saves}
+    result["reference"]["loss"] = model.history.history["loss"]  # per epoch
     sync_last = CheckpointStore(root / "sync").load_latest()
 
     # -- async_save: the same checkpoints, written in the background --------------------------
@@ -121,6 +122,7 @@ def main() -> int:
             "restored": [checkpoint.last_restored.meta.epoch, checkpoint.last_restored.meta.step],
             "iterations": int(np.asarray(model.optimizer.iterations)),
             "weights": save(f"resumed-{mode}", model),
+            "loss": model.history.history["loss"][0],  # the epoch resumed part-way
         }
     result["resumed"] = resumed
 

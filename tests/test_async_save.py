@@ -39,8 +39,14 @@ class Steps(keras.callbacks.Callback):
 
 
 def _arrays(store: CheckpointStore, entry):
+    """The metadata and arrays of a file, the variables in their saved order, then the rest."""
     loaded = store.read(entry)
-    return loaded.meta, [loaded.arrays[k] for k in sorted(loaded.arrays)]
+
+    def order(key: str) -> tuple[int, int, str]:
+        number = key.partition("/")[2]
+        return (0, int(number), "") if number.isdigit() else (1, 0, key)
+
+    return loaded.meta, [loaded.arrays[k] for k in sorted(loaded.arrays, key=order)]
 
 
 @pytest.mark.slow

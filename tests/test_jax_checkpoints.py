@@ -102,6 +102,9 @@ def test_saves_resume_exactly_mid_epoch_synchronous_and_async(jax_run):
         assert resumed["crashed"], mode
         assert resumed["restored"] == [1, 2] and resumed["iterations"] == 18, mode
         assert max_diff(weights(resumed["weights"]), ref) <= 1e-6, mode
+        # ...whose epoch, resumed part-way, logs the uninterrupted run's loss: the loss
+        # tracker's sums were saved and put back as it began.
+        assert resumed["loss"] == pytest.approx(jax_run["reference"]["loss"][1], rel=1e-6), mode
 
 
 def test_the_replica_check_compares_each_devices_copy(jax_run):

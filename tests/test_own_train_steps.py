@@ -20,6 +20,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import keras
 import numpy as np
@@ -161,8 +162,8 @@ def test_a_killed_gan_resumes_on_the_uninterrupted_state_bit_for_bit(
 ) -> None:
     data = models.data(name, 32)
 
-    def fit(model: keras.Model, directory: str, *extra: keras.callbacks.Callback) -> None:
-        model.fit(
+    def fit(model: keras.Model, directory: str, *extra: keras.callbacks.Callback) -> Any:
+        return model.fit(
             *data,
             batch_size=BATCH,
             epochs=2,
@@ -172,16 +173,21 @@ def test_a_killed_gan_resumes_on_the_uninterrupted_state_bit_for_bit(
         )
 
     reference = models.build(name, TWO, "adam")
-    fit(reference, "reference")
+    uninterrupted = fit(reference, "reference").history
     crashed = models.build(name, TWO, "adam")
     with pytest.raises(KeyboardInterrupt):
         fit(crashed, "run", StopAt(1, 1))  # after the 6th of 8 steps
     resumed = models.build(name, TWO, "adam")
-    fit(resumed, "run")
+    logs = fit(resumed, "run").history
     assert int(resumed.d_optimizer.iterations.numpy()) == int(
         reference.d_optimizer.iterations.numpy()
     )
     assert _gap(_state(reference), _state(resumed)) == 0.0
+    # The resumed epoch's logs (the DCGAN's trackers summed over the epoch) go on from the
+    # checkpoint's batch: the uninterrupted run's figures.
+    assert set(logs) == set(uninterrupted)
+    for key, values in logs.items():
+        assert values == pytest.approx([uninterrupted[key][-1]], rel=1e-6, abs=1e-7), key
 
 
 def test_a_model_without_call_whose_layers_are_not_built_is_refused_in_the_kits_words() -> None:

@@ -677,3 +677,49 @@ def test_a_pickled_array_in_a_checkpoint_is_never_unpickled(tmp_path, capsys, re
     with np.load(evil, allow_pickle=True) as unsafe:  # the payload is live: the test can fail
         unsafe["model/00000"]  # noqa: B018
     assert marker.exists()
+
+
+def _metered(devices, metrics=("accuracy",)):
+    """A kit-built classifier with a loss tracker and compiled metrics, batches of 8."""
+
+    @kmk.distributed(global_batch_size=8, devices=devices)
+    def factory():
+        keras.utils.set_random_seed(3)
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+        m.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=list(metrics))
+        return m
+
+    return factory()
+
+
+def test_an_epoch_resumed_part_way_logs_the_uninterrupted_runs_loss_and_metrics(
+    tmp_path, caplog
+):
+    """The metrics' sums are saved with each checkpoint and put back as the resumed epoch
+    begins (Keras resets them just before), so its logs are the uninterrupted run's: on 2
+    replicas, on 1 after 2, on an uneven last batch (70 rows); a checkpoint holding other
+    metrics resumes the weights and says that the epoch's logs cover its rest only."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(70, 4)).astype("float32"), rng.integers(0, 3, 70)
+    metrics = ("accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2"))
+
+    def fit(model, directory, *extra):
+        callbacks = [SyncedCheckpoint(tmp_path / directory, save_freq=1), *extra]
+        return model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                         callbacks=callbacks).history  # fmt: skip
+
+    expected = fit(_metered(None, metrics), "reference")
+    assert set(expected) == {"loss", "accuracy", "top2"}
+    for devices, directory in ((None, "two"), (["/cpu:0"], "one")):
+        with pytest.raises(KeyboardInterrupt):
+            fit(_metered(None, metrics), directory, StopAt(1, 3))  # 4 of epoch 1's 9 batches
+        logs = fit(_metered(devices, metrics), directory)
+        for key in expected:
+            assert logs[key] == pytest.approx(expected[key][-1:], rel=1e-6), (directory, key)
+    caplog.set_level(logging.INFO, logger="keras_mirror_kit")
+    with pytest.raises(KeyboardInterrupt):
+        fit(_metered(None, metrics), "other", StopAt(1, 3))
+    fit(_metered(None), "other")  # without top2: the weights resume, the logs say so
+    said = [r.getMessage() for r in caplog.records if "logged loss and metrics" in r.getMessage()]
+    assert said and "holds other metrics than this model" in said[0]
+    assert "batch 4 on only" in said[0]

@@ -11,7 +11,6 @@ import functools
 import logging
 import os
 import signal
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -29,11 +28,7 @@ from keras_mirror_kit.callbacks.placement import (
     train_beginners_after,
 )
 from keras_mirror_kit.checkpoint.best import BestKeeper, metric_direction
-from keras_mirror_kit.checkpoint.callback_state import (
-    apply_callback_states,
-    best_weights_restored,
-    callback_states,
-)
+from keras_mirror_kit.checkpoint.callback_state import best_weights_restored, callback_states
 from keras_mirror_kit.checkpoint.divergence import (
     ReplicaDivergenceError,
     check_replicas,
@@ -45,6 +40,8 @@ from keras_mirror_kit.checkpoint.meta import CheckpointMeta
 from keras_mirror_kit.checkpoint.preemption import PreemptionGuard
 from keras_mirror_kit.checkpoint.restore import model_config
 from keras_mirror_kit.checkpoint.resume import (
+    ResumePlan,
+    begin_resumed_epoch,
     check_fit_dataset,
     check_whole_epochs,
     check_workers_agree,
@@ -90,7 +87,9 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     BatchNormalization statistics, random layers' state), Keras' global random state, the
     full state (iterations, learning rate, moments, loss scale) of every optimizer the model
     holds (`model.optimizer`, a GAN's `d_optimizer` and `g_optimizer`), the seed state of a
-    model's own `train_step` (`own_steps`), the state of the stateful callbacks in the
+    model's own `train_step` (`own_steps`), its metrics' sums (loss trackers, compiled
+    metrics: an epoch resumed part-way logs the uninterrupted run's figures), the state of
+    the stateful callbacks in the
     `callbacks` list (`EarlyStopping`, `ReduceLROnPlateau`, `ModelCheckpoint`'s best value,
     any callback with `get_checkpoint_state` / `set_checkpoint_state`), and the progress
     (which `fit` of the script, epoch, batch, whether that `fit` was stopped). Files are
@@ -274,7 +273,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self._trained = self._cursor_checked = False
         self._last_save: tuple[int, int, bool, bool] | None = None  # epoch, step, end, stop
         self._tracked: list[tuple[str, Any]] = []
-        self._pending_states: tuple[Mapping[str, Any], Mapping[str, np.ndarray]] | None = None
+        self._pending: ResumePlan | None = None  # put back as the first epoch begins
         self._mark: EpochMark | None = None  # the start epoch set with a restored state
         self._head: LoopHook | None = None
         self._tail: LoopHook | None = None
@@ -556,10 +555,9 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     def _before_epoch(self) -> None:
         # Keras read the resume epoch when the loop started; a later fit() must not.
         self.model._initial_epoch = None  # noqa: SLF001
-        if self._pending_states is not None:
-            states, arrays = self._pending_states
-            self._pending_states = None
-            apply_callback_states(self._tracked, states, arrays)
+        plan, self._pending = self._pending, None
+        if plan is not None:  # the callbacks' states, and metrics Keras has just reset
+            begin_resumed_epoch(plan, self._tracked)
 
     def _forget_initial_epoch(self) -> None:
         # A fit() interrupted by an exception never reached on_train_end: clear its epoch.
@@ -695,6 +693,6 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         self.last_restored = resume.restored
         self._mark = mark_start_epoch(self.model, resume, self.directory, self._restorers)
         self._resume_epoch, self._resume_skip = resume.epoch, resume.skip
-        self._pending_states = resume.callback_states
+        self._pending = resume
         if resume.fit is not None:  # a later stage rerun alone: its number from now on
             self._fit = resume.fit

@@ -73,7 +73,7 @@ UNREADABLE = (
     OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, NotImplementedError,
     RuntimeError, zlib.error, struct.error, OverflowError,
 )  # fmt: skip
-_KEY = re.compile(r"(?:model|optimizer)/[0-9]{1,9}|random/[^/]+|callback(?:/[^/]+){2,}")
+_KEY = re.compile(r"(?:model|optimizer|metrics)/[0-9]{1,9}|random/[^/]+|callback(?:/[^/]+){2,}")
 _BAD_CHARACTER = re.compile(r"[\x00-\x1f\x7f\\]")
 _RANDOM_SHAPE = (2,)  # Keras' seed generator state: two integers
 
@@ -247,7 +247,7 @@ def check_layout(
     listed = meta.variables
     for key, (shape, dtype) in headers.items():
         group, _, rest = key.partition("/")
-        if group in ("model", "optimizer"):
+        if group in ("model", "optimizer", "metrics"):
             number = int(rest)
             if number in numbers:
                 raise ValueError(f"arrays {numbers[number]} and {key} hold one variable")

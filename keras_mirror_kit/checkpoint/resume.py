@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from keras_mirror_kit import backends
+from keras_mirror_kit.checkpoint.callback_state import apply_callback_states
 from keras_mirror_kit.checkpoint.fit_record import FitRecord, Placement, place
 from keras_mirror_kit.checkpoint.meta import CheckpointMeta, DataDescription
-from keras_mirror_kit.checkpoint.state import apply_state
+from keras_mirror_kit.checkpoint.state import apply_state, assign_metrics, saved_metrics
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.fit_inputs import KitPipeline, kit_pipeline
 from keras_mirror_kit.model_record import distribution_of
@@ -30,6 +31,7 @@ if TYPE_CHECKING:  # data.cursor imports TensorFlow: not for a JAX-only install
 __all__ = [
     "MidEpochSkip",
     "adopt_seed",
+    "begin_resumed_epoch",
     "ResumePlan",
     "check_fit_dataset",
     "check_whole_epochs",
@@ -58,6 +60,8 @@ class ResumePlan:
         fit: The record the starting `fit()` takes as its own when it resumes the
             unfinished checkpoint of a later `fit()` with the same `epochs` (a rerun of
             that stage alone: `fit_record.Placement.STAGE_ALONE`), else None.
+        metrics: `(variable, saved value)` of the model's metrics, to put back at the start
+            of the epoch resumed part-way (`state.assign_metrics`), or `()`.
     """
 
     restored: LoadedCheckpoint | None = None
@@ -66,6 +70,17 @@ class ResumePlan:
     skip: int = 0
     callback_states: tuple[Mapping[str, Any], Mapping[str, np.ndarray]] | None = None
     fit: FitRecord | None = None
+    metrics: tuple[tuple[Any, Any], ...] = ()
+
+
+def begin_resumed_epoch(plan: ResumePlan, tracked: list[tuple[str, Any]]) -> None:
+    """Puts back, as the first epoch of the resumed `fit()` begins, what the checkpoint
+    holds of the other callbacks (`tracked`, by their keys) and, for an epoch resumed
+    part-way, the metrics' sums up to its batch (Keras reset them just before)."""
+    if plan.callback_states is not None:
+        states, arrays = plan.callback_states
+        apply_callback_states(tracked, states, arrays)
+    assign_metrics(plan.metrics)
 
 
 @dataclass(frozen=True)
@@ -211,6 +226,17 @@ def restore_latest(
         skip,
         meta.num_replicas,
     )
+    metrics: list[tuple[Any, Any]] = []
+    if skip:
+        metrics, why = saved_metrics(model, loaded)
+        if why:
+            logger.info(
+                "keras-mirror-kit: epoch %d's logged loss and metrics cover its batches from "
+                "batch %d on only: %s",
+                epoch,
+                skip,
+                why,
+            )
     return ResumePlan(
         restored=loaded,
         initial_epoch=epoch,
@@ -218,6 +244,7 @@ def restore_latest(
         skip=skip,
         callback_states=(meta.callbacks, loaded.arrays),
         fit=taken,
+        metrics=tuple(metrics),
     )
 
 

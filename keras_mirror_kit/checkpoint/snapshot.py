@@ -273,7 +273,7 @@ def take_snapshot(
     for i, (group, variable) in enumerate(named):
         tensor = backend.read_value(variable)  # on the variable's (primary) device
         finite = backend.finite_check(tensor)
-        if finite is not None:
+        if finite is not None and group != "metrics":  # figures for the logs, not training
             checks.append((variable.path, finite))
         on_read = backend.reads_collectively(variable)
         if staging is not None and staging.holds(i, len(named)):

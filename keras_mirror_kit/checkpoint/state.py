@@ -26,7 +26,7 @@ import numpy as np
 
 from keras_mirror_kit import backends
 from keras_mirror_kit.checkpoint.store import CheckpointError, LoadedCheckpoint
-from keras_mirror_kit.model_parts import optimizers_of, untracked_variables
+from keras_mirror_kit.model_parts import metrics_of, optimizers_of, untracked_variables
 from keras_mirror_kit.model_record import engine_of
 
 __all__ = [
@@ -36,14 +36,21 @@ __all__ = [
     "auto_name_prefixes",
     "build_optimizer",
     "check_reachable",
+    "RESTORED_GROUPS",
+    "assign_metrics",
     "global_random_state",
     "global_seed_variable",
     "match_state",
     "pair_by_path",
+    "saved_metrics",
     "state_variables",
 ]
 
 logger = logging.getLogger("keras_mirror_kit")
+
+#: The groups a restore puts back when it starts a `fit()`; the `"metrics"` group is put
+#: back at the start of a resumed epoch (`saved_metrics`, `assign_metrics`).
+RESTORED_GROUPS = ("model", "optimizer")
 
 # One debug line per process when Keras' private module layout moved.
 _KERAS_LAYOUT_LOGGED: list[bool] = []
@@ -63,12 +70,14 @@ def _skip_global_random(err: ImportError) -> None:
 def state_variables(model: Any, legacy: bool = False) -> list[tuple[str, Any]]:
     """`(group, variable)` of what a checkpoint of `model` holds, in the saved order.
 
-    `("model", v)` for `model.variables` (weights and the random layers' state; no
-    metrics) and, for a model with its own training step, the kit's seed generator of that
-    step (`own_steps.own_state`); then `("optimizer", v)` for every optimizer the model
-    holds (`model_parts.optimizers_of`: `model.optimizer` first, then a GAN's
-    `d_optimizer`, `g_optimizer`, ...). `legacy`: what files without `"state"` hold
-    (`model.weights` and `model.optimizer`'s, without any seed-generator state).
+    `("model", v)` for `model.variables` (weights and the random layers' state) and, for a
+    model with its own training step, the kit's seed generator of that step
+    (`own_steps.own_state`); then `("optimizer", v)` for every optimizer the model holds
+    (`model_parts.optimizers_of`: `model.optimizer` first, then a GAN's `d_optimizer`,
+    `g_optimizer`, ...); then `("metrics", v)` for every metric it holds
+    (`model_parts.metrics_of`: the loss tracker, compiled metrics, a GAN's trackers), which
+    a resumed epoch starts from. `legacy`: what files without `"state"` hold
+    (`model.weights` and `model.optimizer`'s, without any seed-generator state or metric).
     """
     # model.variables = weights + the random layers' seed-generator state (no metrics).
     if legacy:
@@ -80,6 +89,13 @@ def state_variables(model: Any, legacy: bool = False) -> list[tuple[str, Any]]:
         optimizers = optimizers_of(model)
     for optimizer in optimizers:
         named += [("optimizer", v) for v in optimizer.variables]
+    if not legacy:
+        seen: set[int] = set()
+        for metric in metrics_of(model):  # a container (compiled metrics) holds its parts'
+            for variable in metric.variables:
+                if id(variable) not in seen:
+                    seen.add(id(variable))
+                    named.append(("metrics", variable))
     return named
 
 
@@ -172,9 +188,8 @@ def apply_state(model: Any, loaded: LoadedCheckpoint, directory: str | os.PathLi
     """
     legacy = loaded.meta.legacy_state
     # Matched by path, never by position (match_state); model order from here on.
-    matched = match_state(
-        state_variables(model, legacy=legacy), loaded, directory, auto_name_prefixes(model)
-    )
+    named = [p for p in state_variables(model, legacy=legacy) if p[0] in RESTORED_GROUPS]
+    matched = match_state(named, loaded, directory, auto_name_prefixes(model))
     keys = [key for key, _ in matched]
     named = [pair for _, pair in matched]
     if legacy:
@@ -295,6 +310,61 @@ def assign_state(
         variable.assign(value)
 
 
+def saved_metrics(model: Any, loaded: LoadedCheckpoint) -> tuple[list[tuple[Any, Any]], str]:
+    """The metric values a checkpoint holds, each paired with `model`'s metric variable.
+
+    A checkpoint written mid-epoch holds what the model's metrics had summed up to its
+    batch; put back at the start of the resumed epoch (`assign_metrics`), the epoch's logs
+    are those of the uninterrupted run. Paired by path as the weights are (`pair_by_path`).
+
+    Args:
+        model: The model being resumed.
+        loaded: The checkpoint restored into it.
+
+    Returns:
+        `(pairs, "")`: `(variable, saved array)` for every metric variable of the model;
+        `([], why)` when the checkpoint holds no metrics or others than the model's.
+    """
+    keys = sorted(
+        (k for k in loaded.arrays if k.split("/")[0] == "metrics"),
+        key=lambda k: int(k.split("/")[1]),
+    )
+    here = [v for group, v in state_variables(model) if group == "metrics"]
+    if not keys:
+        return [], "the checkpoint holds no metric values (written by an earlier version)"
+    saved_paths = list(loaded.meta.variables)
+    shapes = loaded.shapes
+    saved = [
+        ("metrics", saved_paths[int(k.split("/")[1])].partition(":")[2], tuple(shapes[k]))
+        for k in keys
+        if int(k.split("/")[1]) < len(saved_paths)
+    ]
+    pairing = pair_by_path(
+        saved, [("metrics", v.path, tuple(v.shape)) for v in here], auto_name_prefixes(model)
+    )
+    if pairing.differences or len(saved) != len(keys):
+        first = "; ".join(pairing.differences[:3])
+        return [], f"the checkpoint holds other metrics than this model ({first})"
+    host_layout = backends.current().host_layout
+    pairs: list[tuple[Any, Any]] = []
+    for i, j in sorted(pairing.pairs, key=lambda pair: pair[1]):
+        value = _converted(np.asarray(loaded.arrays[keys[i]]), np.dtype(host_layout(here[j])[1]))
+        if value is None:
+            return [], f"the saved value of metric variable {here[j].path} does not convert"
+        pairs.append((here[j], value))
+    return pairs, ""
+
+
+def assign_metrics(pairs: Sequence[tuple[Any, Any]]) -> None:
+    """Assigns each metric variable its saved value (`saved_metrics`' pairs).
+
+    Under a strategy a metric's variables are per replica and summed on read: assigned
+    outside the step, each replica's copy takes its part, so the sum is the saved value.
+    """
+    for variable, value in pairs:
+        variable.assign(value)
+
+
 def _log_learning_rate_change(
     named: list[tuple[str, Any]], keys: list[str], loaded: LoadedCheckpoint
 ) -> None:
@@ -332,8 +402,8 @@ def _snake_case(name: str) -> str:
 def auto_name_prefixes(model: Any) -> set[str]:
     """The names Keras may have auto-numbered in `model`'s variable paths.
 
-    The snake-case class names of the model, its layers (nested too) and every optimizer it
-    holds, and `"seed_generator"`.
+    The snake-case class names of the model, its layers (nested too) and every optimizer and
+    metric it holds, and `"seed_generator"`.
     """
     objects: list[Any] = [model]
     flatten = getattr(model, "_flatten_layers", None)
@@ -344,6 +414,7 @@ def auto_name_prefixes(model: Any) -> set[str]:
         inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
         if inner is not None:
             objects.append(inner)
+    objects += metrics_of(model)
     prefixes = {_snake_case(type(obj).__name__) for obj in objects}
     prefixes.add("seed_generator")
     return {p for p in prefixes if p}
