@@ -287,3 +287,45 @@ def test_several_outputs_validate_and_evaluate_per_output_as_one_device() -> Non
             one_eval[key],
             two_eval[key],
         )
+
+
+class RecordedBatches(Batches):
+    """`Batches` that notes each index read (in the reading thread's order of requests)."""
+
+    def __init__(self, read: list[int], **options) -> None:
+        super().__init__(**options)
+        self.read = read
+
+    def __getitem__(self, index: int):
+        self.read.append(index)
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_killed_pydataset_fit_resumes_mid_epoch_on_plain_keras_batches(
+    workers: int, tmp_path
+) -> None:
+    """A `PyDataset` (shuffled by `fit`, Keras' default) killed part-way through epoch 1 of 3
+    on 2 replicas resumes at its batch: the epoch's remaining batches in the saved order,
+    then epoch 2 shuffled as the uninterrupted run shuffled it (Python's `random` state is
+    saved): weights and losses of plain Keras without a strategy."""
+    from tests.ckpt_helpers import StopAt
+
+    def fit(model, directory=None, *extra):
+        read: list[int] = []
+        data = RecordedBatches(read, workers=workers)
+        callbacks = [] if directory is None else [kmk.SyncedCheckpoint(directory, save_freq=1)]
+        history = model.fit(data, epochs=3, verbose=0, callbacks=[*callbacks, *extra]).history
+        return model, history["loss"], [i for i in read]
+
+    plain, plain_losses, _ = fit(_model())
+    with pytest.raises(KeyboardInterrupt):
+        fit(_kit_model(TWO), tmp_path, StopAt(1, 1))  # after 2 of epoch 1's 4 batches
+    checkpoint = kmk.SyncedCheckpoint(tmp_path, save_freq=1)
+    resumed = _kit_model(TWO)
+    history = resumed.fit(RecordedBatches([], workers=workers), epochs=3, verbose=0,
+                          callbacks=[checkpoint]).history  # fmt: skip
+    assert (checkpoint.last_restored.meta.epoch, checkpoint.last_restored.meta.step) == (1, 2)
+    assert int(resumed.optimizer.iterations.numpy()) == 3 * BATCHES  # no batch twice
+    assert _close((plain.get_weights(), plain_losses[1:]), (resumed.get_weights(),
+                  history["loss"])) <= TOLERANCE  # fmt: skip

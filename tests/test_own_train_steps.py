@@ -62,9 +62,11 @@ EXACT = (
 )
 
 
-def _state(model: keras.Model) -> list[np.ndarray]:
-    """Every variable a checkpoint holds: the model's, every optimizer's, the own seed's."""
-    return [np.array(v.numpy()) for _, v in state_variables(model)]
+def _state(model: keras.Model, metrics: bool = True) -> list[np.ndarray]:
+    """Every variable a checkpoint holds: the model's, every optimizer's, the own seed's and
+    (with `metrics`) the metrics' sums."""
+    named = state_variables(model)
+    return [np.array(v.numpy()) for group, v in named if metrics or group != "metrics"]
 
 
 def _gap(a: list[np.ndarray], b: list[np.ndarray]) -> float:
@@ -85,11 +87,10 @@ def _trained(name: str, devices: list[str], optimizer: str, rows: int):
 
 # Adam on an uneven split for every step; SGD on an even one too for one model of each kind
 # (a loss of its own, two optimizers with Keras' Loss objects and keras.random draws).
-WITH_SGD = ("vae", "dcgan", "guide_gan")
 # keras-io's WGAN-GP (2 critic steps a step, each with a gradient penalty: a nested tape)
-# trains with Adam as on one device, run after run; with SGD on 2 replicas it ends on other
-# weights from run to run (not on 1; the random draws are the same in every run), so its
-# SGD comparison is left out until that is found (docs/own-train-step.md#limits).
+# took other weights from run to run on 2 replicas, with SGD mostly, until the updates were
+# ordered after every gradient of their application (workarounds.tf_grappler_update_order).
+WITH_SGD = ("vae", "dcgan", "guide_gan", "wgan")
 
 
 @pytest.mark.parametrize("name", EXACT)
@@ -98,8 +99,8 @@ def test_one_and_two_replicas_train_alike_and_log_alike(name: str) -> None:
     for optimizer, rows in runs:
         one, one_logs = _trained(name, ONE, optimizer, rows)
         two, two_logs = _trained(name, TWO, optimizer, rows)
-        gap = _gap(_state(one), _state(two))
-        assert gap <= TOLERANCE, (name, optimizer, rows, gap)
+        gap = _gap(_state(one, metrics=False), _state(two, metrics=False))
+        assert gap <= TOLERANCE, (name, optimizer, rows, gap)  # the metrics: in the logs
         assert set(one_logs) == set(two_logs), (one_logs, two_logs)
         for key in one_logs:
             assert np.allclose(one_logs[key], two_logs[key], rtol=TOLERANCE, atol=TOLERANCE), (

@@ -692,9 +692,7 @@ def _metered(devices, metrics=("accuracy",)):
     return factory()
 
 
-def test_an_epoch_resumed_part_way_logs_the_uninterrupted_runs_loss_and_metrics(
-    tmp_path, caplog
-):
+def test_an_epoch_resumed_part_way_logs_the_uninterrupted_runs_loss_and_metrics(tmp_path, caplog):
     """The metrics' sums are saved with each checkpoint and put back as the resumed epoch
     begins (Keras resets them just before), so its logs are the uninterrupted run's: on 2
     replicas, on 1 after 2, on an uneven last batch (70 rows); a checkpoint holding other

@@ -363,6 +363,11 @@ def call(model: Any, engine: Engine, method: str, arguments: dict[str, Any]) -> 
         yield
 
 
+def py_dataset_cursor(x: Any) -> None:
+    """None: on JAX a `PyDataset` resumes at epoch boundaries (its order is Keras')."""
+    return None
+
+
 def stop_agreement(strategy: Any, wake: Any) -> Any:
     """Never needed: a JAX run has one worker (`multi_worker_choice` refuses more)."""
     raise RuntimeError(f"A JAX run has one worker; nothing to agree on. Received: {strategy!r}")

@@ -250,7 +250,8 @@ def install(model: Any) -> None:
 def call(model: Any, engine: Engine, method: str, arguments: dict[str, Any]) -> Iterator[None]:
     """Around one `fit`/`evaluate`/`predict` of a kit-built model, after its checks."""
     keras_jit_replicas.check(model, len(engine.devices), f"{method}()")
-    keras_pydataset_epochs.own(arguments.get("x"))  # each epoch its own order
+    training = not arguments.get("steps_per_epoch") if method == "fit" else None
+    keras_pydataset_epochs.own(arguments.get("x"), training)  # each epoch its own order
     if engine.num_replicas > 1:  # batches copied: TensorFlow may write into them there
         for name in ("x", "validation_data"):
             tf_generator_buffers.own(arguments.get(name))
@@ -261,6 +262,17 @@ def call(model: Any, engine: Engine, method: str, arguments: dict[str, Any]) -> 
 def trains_exactly(model: Any) -> bool:
     """Whether a training batch that splits unevenly over the replicas trains as on one."""
     return keras_replica_shares.trains_exactly(model) or own_steps.is_applied(model)
+
+
+def py_dataset_cursor(x: Any) -> Any:
+    """The cursor `SyncedCheckpoint` resumes a `PyDataset` by, mid-epoch (None: not one, or
+    Keras is not a version its ordering was tested on)."""
+    from keras_mirror_kit.data.py_dataset_cursor import py_dataset_cursor
+
+    cursor = py_dataset_cursor(x, create=True)
+    if cursor is None or not keras_pydataset_epochs.order_by(x, cursor):
+        return None
+    return cursor
 
 
 def stop_agreement(strategy: Any, wake: Any) -> Any:

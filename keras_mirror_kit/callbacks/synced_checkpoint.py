@@ -338,7 +338,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                 )
         steps = self.params.get("steps") if self.params else None
         if self._given_cursor is None and self._cursor is not None:
-            if steps is not None and steps != self._cursor.num_batches:
+            unread = getattr(self._cursor, "claimed", True) is False  # a PyDataset read as Keras'
+            if unread or (steps is not None and steps != self._cursor.num_batches):
                 self._cursor = None  # found, not given: part epochs resume at their starts
         check_whole_epochs(self._cursor, steps)
         build_optimizer(self.model)
@@ -618,6 +619,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         # refuses a non-finite state alike; the chief's async snapshot is copied to staging.
         staging = self._staging if self.async_save and self._is_chief else None
         snapshot = take_snapshot(named, self.allow_non_finite, staging)
+        snapshot.extra.update(getattr(self._cursor, "checkpoint_arrays", dict)())  # PyDataset
         if self.verify_replicas:
             gap = check_replicas(self.model, named, self.verify_atol)
             if gap and not self._reported_batch_norm:

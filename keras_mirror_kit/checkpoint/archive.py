@@ -73,7 +73,10 @@ UNREADABLE = (
     OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, NotImplementedError,
     RuntimeError, zlib.error, struct.error, OverflowError,
 )  # fmt: skip
-_KEY = re.compile(r"(?:model|optimizer|metrics)/[0-9]{1,9}|random/[^/]+|callback(?:/[^/]+){2,}")
+_KEY = re.compile(
+    r"(?:model|optimizer|metrics)/[0-9]{1,9}|random/[^/]+|callback(?:/[^/]+){2,}"
+    r"|data/(?:order|python_random|python_gauss)"
+)
 _BAD_CHARACTER = re.compile(r"[\x00-\x1f\x7f\\]")
 _RANDOM_SHAPE = (2,)  # Keras' seed generator state: two integers
 
@@ -231,6 +234,10 @@ def array_headers(archive: zipfile.ZipFile) -> dict[str, tuple[tuple[int, ...], 
     }
 
 
+# A PyDataset's position (`data.py_dataset_cursor`): its order, Python's random state.
+_DATA_KINDS = {"data/order": "iu", "data/python_random": "iu", "data/python_gauss": "f"}
+
+
 def check_layout(
     headers: Mapping[str, tuple[tuple[int, ...], np.dtype]], meta: CheckpointMeta
 ) -> None:
@@ -256,6 +263,8 @@ def check_layout(
                 raise ValueError(f"array {key} is not a variable its metadata lists")
         elif group == "random" and (shape != _RANDOM_SHAPE or dtype.kind not in "iu"):
             raise ValueError(f"array {key} is {shape} {dtype}, not a seed state of two integers")
+        elif group == "data" and (len(shape) != 1 or dtype.kind not in _DATA_KINDS[key]):
+            raise ValueError(f"array {key} is {shape} {dtype}, not a PyDataset position")
     missing = [key for key in callback_array_keys(meta.callbacks) if key not in headers]
     if missing:
         raise ValueError(

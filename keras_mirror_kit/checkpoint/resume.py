@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -171,6 +171,13 @@ def restore_latest(
     loaded, skip = newest, 0
     if not meta.epoch_end:
         found = mid_epoch_skip(meta, cursor, model)
+        can_resume = getattr(cursor, "can_resume", None)
+        if found.skip is not None and can_resume is not None and not can_resume(newest.arrays):
+            found = MidEpochSkip(
+                reason="it holds no batch order of this PyDataset (written by an earlier "
+                "version, or for another one)",
+                fix="The checkpoints written from now on hold it.",
+            )
         if found.skip is not None:
             skip = found.skip
         else:
@@ -219,6 +226,9 @@ def restore_latest(
         )
         return ResumePlan(restored=loaded, fit=taken)
     adopt_seed(cursor, meta)
+    resume_from = getattr(cursor, "resume_from", None)  # a PyDataset's order and random state
+    if resume_from is not None:
+        resume_from(loaded.arrays)
     logger.info(
         "keras-mirror-kit: resumed from %s (epoch %d, batch %d, saved with %s replica(s))",
         loaded.path,
@@ -379,6 +389,9 @@ def mid_epoch_skip(meta: CheckpointMeta, cursor: DatasetCursor | None, model: An
             "of executions.",
         )
     saved, step, batch = meta.data, meta.step, _global_batch_size(model)
+    if getattr(cursor, "own_batches", False):  # a PyDataset's batches, whatever the batch size
+        saved = replace(saved, global_batch_size=None)
+        batch = None
     samples = cursor.num_samples
     if saved.samples is not None and samples is not None and saved.samples != samples:
         # Fewer samples than a batch apart give the same batches, but another permutation.
@@ -465,8 +478,8 @@ def check_fit_dataset(cursor: DatasetCursor | None, x: Any, strict: bool = False
     """
     pipeline = kit_pipeline(x)
     if cursor is None:
-        if pipeline is None:
-            return None
+        if pipeline is None:  # a PyDataset's cursor (its batches are addressable), or None
+            return backends.current().py_dataset_cursor(x)
         if not pipeline.exact:
             logger.info(
                 "keras-mirror-kit: SyncedCheckpoint resumes at epoch boundaries: fit() trains "

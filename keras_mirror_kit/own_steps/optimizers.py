@@ -17,6 +17,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_mirror_kit.own_steps.context import current
+from keras_mirror_kit.workarounds.tf_grappler_update_order import after_all
 
 __all__ = ["weigh"]
 
@@ -52,7 +53,7 @@ def weigh(optimizer: Any) -> None:
             step.probe.applied(optimizer, grads, variables, step)
             return None
         if step.replicas > 1:
-            share = step.share
+            share = after_all(grads, step.share)  # every update after every gradient
             grads = [_weighted(g, share) for g in grads]
         return original(grads, variables)
 

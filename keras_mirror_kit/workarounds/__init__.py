@@ -24,6 +24,13 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
   copied as they are yielded. No upstream report found (related:
   tensorflow/tensorflow#45964). Remove when `tests/test_ecosystem_inputs.py::
   test_plain_keras_still_overwrites_a_generators_arrays_on_two_replicas` fails.
+* `tf_grappler_update_order`: Grappler's dependency optimizer lets a variable's update run
+  before a read of it that comes first (when an `IdentityN`, such as `all_reduce`'s, joined
+  them): an own `train_step` (keras-io's WGAN-GP) trained other weights from run to run on
+  2 replicas. Each update of an own step's optimizer is ordered after every gradient of its
+  application. No upstream report found. Remove when `tests/
+  test_tf_grappler_update_order.py::test_plain_tensorflow_still_lets_the_update_run_before_the_read`
+  fails.
 * `keras_replica_shares`: a batch that tf.distribute splits unevenly (13 samples: 7/6)
   trains other weights than one device, since each replica's mean loss is divided by the
   number of replicas; and a replica with no rows computes on an empty batch (a wrong shape

@@ -18,21 +18,32 @@ batch without stopping the enqueuer, whose run `on_epoch_end` stops in the main 
 as before. `tests/test_ecosystem_inputs.py::
 test_plain_keras_still_lets_a_stale_generator_stop_the_next_epochs_enqueuer` shows the
 upstream behaviour.
+
+The same patches read a `fit`'s training `PyDataset` in the order of its cursor
+(`data.py_dataset_cursor`), when `SyncedCheckpoint` made one (`order_by`, from the
+backend's `py_dataset_cursor`): the epoch's order is made as the adapter's epoch begins, in
+the main thread, with Keras' own `random.shuffle` call (the order plain Keras reads), and an
+epoch resumed part-way reads its remaining batches in the order saved with it. The
+enqueuer reads the batches through `_InOrder`, the generator without workers from the order
+itself.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 from keras_mirror_kit.workarounds import KerasPatch, Owned
 
-__all__ = ["TESTED_KERAS", "install", "own"]
+__all__ = ["TESTED_KERAS", "install", "order_by", "own"]
 
 #: Keras versions the workaround was tested on: `low <= version < high`.
 TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
 
 _OWNED = Owned()  # the PyDatasets kit-built models read
+# The cursors (`data.py_dataset_cursor.PyDatasetCursor`) that order PyDatasets' epochs.
+_CURSORS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _PATCH = KerasPatch(TESTED_KERAS)
 
 
@@ -42,10 +53,57 @@ def install() -> bool:
     return _PATCH.apply(_patch)
 
 
+class _InOrder:
+    """What the enqueuer reads for a cursor's epoch: batch `i` is the dataset's `order[i]`."""
+
+    def __init__(self, dataset: Any, order: list[int]) -> None:
+        self.dataset, self.order = dataset, order
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[self.order[index]]
+
+
 def _patch() -> None:
     from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 
     original = PyDatasetAdapter._finite_enqueuer_generator  # noqa: SLF001
+    original_generator = PyDatasetAdapter._finite_generator  # noqa: SLF001
+    original_init = PyDatasetAdapter.__init__
+    original_begin = PyDatasetAdapter.on_epoch_begin
+
+    @functools.wraps(original_init)
+    def init(self: Any, x: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, x, *args, **kwargs)
+        cursor = _cursor_of(x)
+        self._kit_cursor = cursor if cursor is not None and cursor.reading else None
+        self._kit_order: list[int] | None = None
+        if self._kit_cursor is not None:
+            cursor.reading, cursor.claimed = False, True  # later adapters read as Keras
+
+    @functools.wraps(original_begin)
+    def on_epoch_begin(self: Any) -> None:
+        cursor = getattr(self, "_kit_cursor", None)
+        if cursor is not None:
+            if self._within_epoch:  # SyncedCheckpoint ended a resumed epoch after its rest
+                self.on_epoch_end()
+            self._kit_order = cursor.begin_epoch(self.shuffle)
+            if self.enqueuer is not None:  # reads _InOrder's batches 0..k-1, unshuffled
+                self.enqueuer.py_dataset = _InOrder(self.py_dataset, self._kit_order)
+                self.enqueuer.shuffle = False
+        original_begin(self)
+
+    @functools.wraps(original_generator)
+    def finite_generator(self: Any) -> Any:
+        order = getattr(self, "_kit_order", None)
+        if order is None:
+            yield from original_generator(self)
+            return
+        for index in order:
+            yield self._standardize_batch(self.py_dataset[index])  # noqa: SLF001
 
     @functools.wraps(original)
     def finite_enqueuer_generator(self: Any) -> Any:
@@ -53,18 +111,46 @@ def _patch() -> None:
             yield from original(self)
             return
         self.enqueuer.start()
-        num_batches = self.py_dataset.num_batches
+        order = getattr(self, "_kit_order", None)
+        num_batches = self.py_dataset.num_batches if order is None else len(order)
         for i, batch in enumerate(self.enqueuer.get()):
             yield self._standardize_batch(batch)  # noqa: SLF001
             if i >= num_batches - 1:
                 return  # on_epoch_end stops this epoch's run, in the main thread
 
+    PyDatasetAdapter.__init__ = init
+    PyDatasetAdapter.on_epoch_begin = on_epoch_begin
+    PyDatasetAdapter._finite_generator = finite_generator  # noqa: SLF001
     PyDatasetAdapter._finite_enqueuer_generator = finite_enqueuer_generator  # noqa: SLF001
 
 
-def own(x: Any) -> None:
-    """Marks `x`, when it is a `keras.utils.PyDataset`, as read by a kit-built model."""
+def _cursor_of(x: Any) -> Any:
+    try:
+        return _CURSORS.get(x)
+    except TypeError:  # not weakly referable
+        return None
+
+
+def order_by(x: Any, cursor: Any) -> bool:
+    """Makes the `fit`s of kit-built models read the `PyDataset` `x` in `cursor`'s order
+    (a `data.py_dataset_cursor.PyDatasetCursor`); False when Keras is not a tested version
+    (nothing done: Keras' order, and no mid-epoch resume)."""
+    if not install():
+        return False
+    _CURSORS[x] = cursor
+    return True
+
+
+def own(x: Any, training: bool | None = None) -> None:
+    """Marks `x`, when it is a `keras.utils.PyDataset`, as read by a kit-built model.
+
+    `training`: for a `fit`'s `x`, whether that `fit` reads whole epochs of it (no
+    `steps_per_epoch`): then its cursor, if it has one, orders them (None: not a `fit`).
+    """
     import keras
 
     if isinstance(x, keras.utils.PyDataset) and install():
         _OWNED.add(x)
+        cursor = _cursor_of(x)
+        if cursor is not None and training is not None:
+            cursor.reading, cursor.claimed = training, False
