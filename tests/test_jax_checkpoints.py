@@ -213,6 +213,8 @@ def test_a_jax_checkpoint_restores_exactly_on_tensorflow(jax_run, tmp_path, capl
         for r in caplog.records
     )
     for i, (group, variable) in enumerate(state_variables(model)):
+        if group == "metrics":  # a fit's sums: restore() puts back weights and optimizer
+            continue
         saved, here = loaded.arrays[f"{group}/{i:05d}"], np.asarray(variable)
         assert saved.shape == here.shape and np.array_equal(
             saved.astype(np.float64), here.astype(np.float64)
