@@ -289,18 +289,6 @@ def test_several_outputs_validate_and_evaluate_per_output_as_one_device() -> Non
         )
 
 
-class RecordedBatches(Batches):
-    """`Batches` that notes each index read (in the reading thread's order of requests)."""
-
-    def __init__(self, read: list[int], **options) -> None:
-        super().__init__(**options)
-        self.read = read
-
-    def __getitem__(self, index: int):
-        self.read.append(index)
-        return super().__getitem__(index)
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_killed_pydataset_fit_resumes_mid_epoch_on_plain_keras_batches(
     workers: int, tmp_path
@@ -312,20 +300,40 @@ def test_a_killed_pydataset_fit_resumes_mid_epoch_on_plain_keras_batches(
     from tests.ckpt_helpers import StopAt
 
     def fit(model, directory=None, *extra):
-        read: list[int] = []
-        data = RecordedBatches(read, workers=workers)
         callbacks = [] if directory is None else [kmk.SyncedCheckpoint(directory, save_freq=1)]
+        data = Batches(workers=workers)
         history = model.fit(data, epochs=3, verbose=0, callbacks=[*callbacks, *extra]).history
-        return model, history["loss"], [i for i in read]
+        return model, history["loss"]
 
-    plain, plain_losses, _ = fit(_model())
+    plain, plain_losses = fit(_model())
     with pytest.raises(KeyboardInterrupt):
         fit(_kit_model(TWO), tmp_path, StopAt(1, 1))  # after 2 of epoch 1's 4 batches
     checkpoint = kmk.SyncedCheckpoint(tmp_path, save_freq=1)
     resumed = _kit_model(TWO)
-    history = resumed.fit(RecordedBatches([], workers=workers), epochs=3, verbose=0,
+    history = resumed.fit(Batches(workers=workers), epochs=3, verbose=0,
                           callbacks=[checkpoint]).history  # fmt: skip
     assert (checkpoint.last_restored.meta.epoch, checkpoint.last_restored.meta.step) == (1, 2)
     assert int(resumed.optimizer.iterations.numpy()) == 3 * BATCHES  # no batch twice
     assert _close((plain.get_weights(), plain_losses[1:]), (resumed.get_weights(),
                   history["loss"])) <= TOLERANCE  # fmt: skip
+
+
+def test_a_pydataset_fit_reads_itself_with_steps_per_epoch_resumes_at_the_epoch_start(
+    tmp_path,
+) -> None:
+    """With `steps_per_epoch` Keras reads the `PyDataset` itself (its iterator runs across
+    epochs): the kit does not order it, and a resume starts at the newest epoch boundary."""
+    from tests.ckpt_helpers import StopAt
+
+    def fit(model, *extra):
+        checkpoint = kmk.SyncedCheckpoint(tmp_path, save_freq=1)
+        model.fit(Batches(), steps_per_epoch=BATCHES, epochs=3, verbose=0,
+                  callbacks=[checkpoint, *extra])  # fmt: skip
+        return checkpoint
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(_kit_model(TWO), StopAt(1, 1))
+    resumed = _kit_model(TWO)
+    checkpoint = fit(resumed)
+    assert checkpoint.last_restored.meta.epoch_end and checkpoint.last_restored.meta.epoch == 1
+    assert int(resumed.optimizer.iterations.numpy()) == 3 * BATCHES

@@ -53,7 +53,9 @@ def test_a_position_of_other_data_or_a_skip_without_one_is_not_taken() -> None:
     saved = cursor.checkpoint_arrays()
     other = dict(saved, **{"data/order": np.arange(5)})  # another length
     broken = dict(saved, **{"data/python_random": np.arange(3)})  # no Mersenne state
-    for arrays in ({}, other, broken):
+    empty = dict(saved, **{"data/python_random": np.zeros(0, np.int64)})
+    negative = dict(saved, **{"data/python_random": -saved["data/python_random"] - 1})
+    for arrays in ({}, other, broken, empty, negative):
         assert not cursor.can_resume(arrays) and not cursor.resume_from(arrays)
     assert PyDatasetCursor(Six()).checkpoint_arrays() == {}  # before any epoch
 

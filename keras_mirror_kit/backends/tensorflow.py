@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from keras_mirror_kit import own_steps, precision
@@ -250,13 +251,16 @@ def install(model: Any) -> None:
 def call(model: Any, engine: Engine, method: str, arguments: dict[str, Any]) -> Iterator[None]:
     """Around one `fit`/`evaluate`/`predict` of a kit-built model, after its checks."""
     keras_jit_replicas.check(model, len(engine.devices), f"{method}()")
-    training = not arguments.get("steps_per_epoch") if method == "fit" else None
-    keras_pydataset_epochs.own(arguments.get("x"), training)  # each epoch its own order
+    whole = not (arguments.get("steps_per_epoch") or keras.config.max_steps_per_epoch())
+    keras_pydataset_epochs.own(arguments.get("x"), whole if method == "fit" else None)
     if engine.num_replicas > 1:  # batches copied: TensorFlow may write into them there
         for name in ("x", "validation_data"):
             tf_generator_buffers.own(arguments.get(name))
-    with tensorflow_preprocess.applied(model, method, arguments):
-        yield
+    try:
+        with tensorflow_preprocess.applied(model, method, arguments):
+            yield
+    finally:  # a fit that raised before Keras read x leaves no claim on its cursor
+        keras_pydataset_epochs.own(arguments.get("x"), False if method == "fit" else None)
 
 
 def trains_exactly(model: Any) -> bool:

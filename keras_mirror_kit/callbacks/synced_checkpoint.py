@@ -46,6 +46,7 @@ from keras_mirror_kit.checkpoint.resume import (
     check_whole_epochs,
     check_workers_agree,
     data_description,
+    found_cursor,
     other_dataset_error,
     restore_latest,
 )
@@ -320,6 +321,9 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         check_reachable(self.model)  # state no checkpoint holds: named before any step
         self._fit = _FITS.starting(self.model, self.directory, self._epochs())
         self._is_chief = is_chief(self.model)
+        steps = self.params.get("steps") if self.params else None
+        if self._given_cursor is None:  # found, not given: part epochs resume at their starts
+            self._cursor = found_cursor(self._cursor, steps, self.model)
         # Mid-epoch checkpoints are resume points for this run only when it can resume from
         # them (see resume.mid_epoch_skip): retention counts them as such only then.
         per_execution = int(getattr(self.model, "steps_per_execution", 1) or 1)
@@ -336,11 +340,6 @@ class SyncedCheckpoint(keras.callbacks.Callback):
                     "them away. Use a new directory, remove the old checkpoints yourself, or "
                     f"pass restore=True to continue from them. Received: restore=False"
                 )
-        steps = self.params.get("steps") if self.params else None
-        if self._given_cursor is None and self._cursor is not None:
-            unread = getattr(self._cursor, "claimed", True) is False  # a PyDataset read as Keras'
-            if unread or (steps is not None and steps != self._cursor.num_batches):
-                self._cursor = None  # found, not given: part epochs resume at their starts
         check_whole_epochs(self._cursor, steps)
         build_optimizer(self.model)
         self._best.begin(lambda name: metric_direction(self.model, name))

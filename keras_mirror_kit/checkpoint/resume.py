@@ -23,7 +23,7 @@ from keras_mirror_kit.checkpoint.meta import CheckpointMeta, DataDescription
 from keras_mirror_kit.checkpoint.state import apply_state, assign_metrics, saved_metrics
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.fit_inputs import KitPipeline, kit_pipeline
-from keras_mirror_kit.model_record import distribution_of
+from keras_mirror_kit.model_record import distribution_of, engine_of
 
 if TYPE_CHECKING:  # data.cursor imports TensorFlow: not for a JAX-only install
     from keras_mirror_kit.data import DatasetCursor
@@ -37,6 +37,7 @@ __all__ = [
     "check_whole_epochs",
     "check_workers_agree",
     "data_description",
+    "found_cursor",
     "mid_epoch_skip",
     "other_dataset_error",
     "restore_latest",
@@ -237,16 +238,19 @@ def restore_latest(
         meta.num_replicas,
     )
     metrics: list[tuple[Any, Any]] = []
-    if skip:
+    why = ""
+    if skip and meta.stopped:  # saved at the epoch's end, after validation had reset them
+        why = "it was saved when a callback stopped fit(), after validation"
+    elif skip:
         metrics, why = saved_metrics(model, loaded)
-        if why:
-            logger.info(
-                "keras-mirror-kit: epoch %d's logged loss and metrics cover its batches from "
-                "batch %d on only: %s",
-                epoch,
-                skip,
-                why,
-            )
+    if skip and why:
+        logger.info(
+            "keras-mirror-kit: epoch %d's logged loss and metrics cover its batches from "
+            "batch %d on only: %s",
+            epoch,
+            skip,
+            why,
+        )
     return ResumePlan(
         restored=loaded,
         initial_epoch=epoch,
@@ -433,6 +437,19 @@ def mid_epoch_skip(meta: CheckpointMeta, cursor: DatasetCursor | None, model: An
 
 def _data_changed(reason: str) -> MidEpochSkip:
     return MidEpochSkip(reason=reason, data_changed=True)
+
+
+def found_cursor(cursor: Any, steps: int | None, model: Any) -> Any:
+    """The cursor a `fit()` found (not `dataset=`'s) that it resumes by, or None: not when
+    it runs another number of batches per epoch, nor a `PyDataset`'s that Keras reads
+    itself (`steps_per_epoch`) or that several workers read."""
+    if cursor is None or (steps is not None and steps != cursor.num_batches):
+        return None
+    if getattr(cursor, "own_batches", False):
+        engine = engine_of(model)
+        if not cursor.claimed or engine.num_replicas > len(engine.devices):
+            return None
+    return cursor
 
 
 def check_whole_epochs(cursor: DatasetCursor | None, steps: int | None) -> None:

@@ -339,9 +339,10 @@ def saved_metrics(model: Any, loaded: LoadedCheckpoint) -> tuple[list[tuple[Any,
         for k in keys
         if int(k.split("/")[1]) < len(saved_paths)
     ]
-    pairing = pair_by_path(
-        saved, [("metrics", v.path, tuple(v.shape)) for v in here], auto_name_prefixes(model)
-    )
+    prefixes = auto_name_prefixes(model) | {
+        _snake_case(type(m).__name__) for m in metrics_of(model)
+    }
+    pairing = pair_by_path(saved, [("metrics", v.path, tuple(v.shape)) for v in here], prefixes)
     if pairing.differences or len(saved) != len(keys):
         first = "; ".join(pairing.differences[:3])
         return [], f"the checkpoint holds other metrics than this model ({first})"
@@ -402,8 +403,8 @@ def _snake_case(name: str) -> str:
 def auto_name_prefixes(model: Any) -> set[str]:
     """The names Keras may have auto-numbered in `model`'s variable paths.
 
-    The snake-case class names of the model, its layers (nested too) and every optimizer and
-    metric it holds, and `"seed_generator"`.
+    The snake-case class names of the model, its layers (nested too) and every optimizer it
+    holds, and `"seed_generator"`.
     """
     objects: list[Any] = [model]
     flatten = getattr(model, "_flatten_layers", None)
@@ -414,7 +415,6 @@ def auto_name_prefixes(model: Any) -> set[str]:
         inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
         if inner is not None:
             objects.append(inner)
-    objects += metrics_of(model)
     prefixes = {_snake_case(type(obj).__name__) for obj in objects}
     prefixes.add("seed_generator")
     return {p for p in prefixes if p}

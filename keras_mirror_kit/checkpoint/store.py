@@ -303,8 +303,9 @@ def _write_npz(
             if not valid_key(key):  # what a read would refuse
                 raise ValueError(
                     f"cannot store an array named {key!r} in a checkpoint: a name is "
-                    "model/N, optimizer/N, metrics/N, random/NAME or callback/KEY/NAME, "
-                    "without control characters, backslashes or '.' and '..' parts"
+                    "model/N, optimizer/N, metrics/N, random/NAME, callback/KEY/NAME or a "
+                    "PyDataset's data/order, data/python_random, data/python_gauss, without "
+                    "control characters, backslashes or '.' and '..' parts"
                 )
             names.add(key)
             with archive.open(f"{key}.npy", "w", force_zip64=True) as member:

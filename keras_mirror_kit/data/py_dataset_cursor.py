@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PyDatasetCursor", "py_dataset_cursor"]
+__all__ = ["ARRAY_NAMES", "PyDatasetCursor", "py_dataset_cursor"]
 
 _ORDER, _RANDOM, _GAUSS = "data/order", "data/python_random", "data/python_gauss"
 #: The array names a checkpoint holds the position in (`checkpoint_arrays`).
@@ -177,9 +177,11 @@ class PyDatasetCursor:
             }
 
 
+_STATE_WORDS = 626  # Python's Mersenne Twister state: its version, 624 words and a position
+
+
 def _saved_position(arrays: Mapping[str, np.ndarray], num_batches: int) -> Any:
-    """`(order, random state)` from a checkpoint's arrays, or None where they hold none of
-    `num_batches` batches (or no valid state)."""
+    """`(order, random state)` of `num_batches` batches from a checkpoint's arrays, or None."""
     if _ORDER not in arrays or _RANDOM not in arrays:
         return None
     order = [int(i) for i in np.asarray(arrays[_ORDER]).ravel()]
@@ -187,10 +189,12 @@ def _saved_position(arrays: Mapping[str, np.ndarray], num_batches: int) -> Any:
         return None
     words = tuple(int(w) for w in np.asarray(arrays[_RANDOM]).ravel())
     gauss = np.asarray(arrays.get(_GAUSS, np.zeros(0))).ravel()
+    if len(words) != _STATE_WORDS or not all(0 <= w < 2**32 for w in words):
+        return None
     state = (words[0], words[1:], float(gauss[0]) if gauss.size else None)
     try:
         random.Random().setstate(state)  # refused here, not at the epoch's start
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     return order, state
 

@@ -64,9 +64,11 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
   `tests/test_own_train_steps.py::test_plain_keras_still_scales_losses_per_replica` fails.
 * `keras_pydataset_epochs`: a `PyDataset` with workers, under a strategy over several
   devices, can train an epoch on another order than plain Keras (the previous epoch's
-  generator stops the new epoch's enqueuer). No upstream report found. Remove when
+  generator stops the new epoch's enqueuer). No upstream report found. When
   `tests/test_ecosystem_inputs.py::
-  test_plain_keras_still_lets_a_stale_generator_stop_the_next_epochs_enqueuer` fails.
+  test_plain_keras_still_lets_a_stale_generator_stop_the_next_epochs_enqueuer` fails,
+  remove that part only: the same patches read a `PyDataset` in the order of its cursor
+  (`data.py_dataset_cursor`: mid-epoch resume), which is a feature, not a workaround.
 * `keras_epoch_rounding`: epochs and evaluations rounded up to a multiple of
   `steps_per_execution`. No upstream report found (see the module). Remove when Keras
   truncates the last execution as `compile()` documents.
