@@ -8,7 +8,9 @@ import keras
 import numpy as np
 import pytest
 
-from keras_mirror_kit.data.py_dataset_cursor import PyDatasetCursor, py_dataset_cursor
+from keras_mirror_kit.backends import tensorflow as tensorflow_backend
+from keras_mirror_kit.data.py_dataset_cursor import PyDatasetCursor
+from keras_mirror_kit.workarounds import keras_pydataset_epochs
 
 
 class Six(keras.utils.PyDataset):
@@ -66,11 +68,11 @@ def test_the_cursor_of_a_pydataset_is_made_once_and_only_for_finite_ones() -> No
         def num_batches(self):
             return None
 
-    dataset = Six()
-    assert py_dataset_cursor(dataset) is None
-    made = py_dataset_cursor(dataset, create=True)
-    assert made is py_dataset_cursor(dataset) and made.num_batches == 6
-    assert py_dataset_cursor(Endless(), create=True) is None
-    assert py_dataset_cursor([1, 2], create=True) is None
+    dataset, made_by = Six(), tensorflow_backend.py_dataset_cursor
+    assert keras_pydataset_epochs.cursor_of(dataset) is None
+    made = made_by(dataset)
+    assert made is made_by(dataset) is keras_pydataset_epochs.cursor_of(dataset)
+    assert made.num_batches == 6
+    assert made_by(Endless()) is None and made_by([1, 2]) is None
     with pytest.raises(ValueError, match="finite length"):
         PyDatasetCursor(Endless())

@@ -271,11 +271,15 @@ def trains_exactly(model: Any) -> bool:
 def py_dataset_cursor(x: Any) -> Any:
     """The cursor `SyncedCheckpoint` resumes a `PyDataset` by, mid-epoch (None: not one, or
     Keras is not a version its ordering was tested on)."""
-    from keras_mirror_kit.data.py_dataset_cursor import py_dataset_cursor
+    from keras_mirror_kit.data.py_dataset_cursor import PyDatasetCursor
 
-    cursor = py_dataset_cursor(x, create=True)
-    if cursor is None or not keras_pydataset_epochs.order_by(x, cursor):
+    if not isinstance(x, keras.utils.PyDataset) or x.num_batches is None:
         return None
+    cursor = keras_pydataset_epochs.cursor_of(x)
+    if cursor is None:  # made once per PyDataset, kept (weakly) by the workaround module
+        cursor = PyDatasetCursor(x)
+        if not keras_pydataset_epochs.order_by(x, cursor):
+            return None
     return cursor
 
 

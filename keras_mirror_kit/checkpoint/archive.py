@@ -42,6 +42,7 @@ from keras_mirror_kit.checkpoint.meta import (
     parse_json,
     shortened,
 )
+from keras_mirror_kit.data.py_dataset_cursor import ARRAY_KINDS
 
 __all__ = [
     "CENTRAL_DIRECTORY_LIMIT",
@@ -74,8 +75,8 @@ UNREADABLE = (
     RuntimeError, zlib.error, struct.error, OverflowError,
 )  # fmt: skip
 _KEY = re.compile(
-    r"(?:model|optimizer|metrics)/[0-9]{1,9}|random/[^/]+|callback(?:/[^/]+){2,}"
-    r"|data/(?:order|python_random|python_gauss)"
+    r"(?:model|optimizer|metrics)/[0-9]{1,9}|random/[^/]+|callback(?:/[^/]+){2,}|"
+    + "|".join(map(re.escape, ARRAY_KINDS))  # a PyDataset's position
 )
 _BAD_CHARACTER = re.compile(r"[\x00-\x1f\x7f\\]")
 _RANDOM_SHAPE = (2,)  # Keras' seed generator state: two integers
@@ -234,10 +235,6 @@ def array_headers(archive: zipfile.ZipFile) -> dict[str, tuple[tuple[int, ...], 
     }
 
 
-# A PyDataset's position (`data.py_dataset_cursor`): its order, Python's random state.
-_DATA_KINDS = {"data/order": "iu", "data/python_random": "iu", "data/python_gauss": "f"}
-
-
 def check_layout(
     headers: Mapping[str, tuple[tuple[int, ...], np.dtype]], meta: CheckpointMeta
 ) -> None:
@@ -263,7 +260,7 @@ def check_layout(
                 raise ValueError(f"array {key} is not a variable its metadata lists")
         elif group == "random" and (shape != _RANDOM_SHAPE or dtype.kind not in "iu"):
             raise ValueError(f"array {key} is {shape} {dtype}, not a seed state of two integers")
-        elif group == "data" and (len(shape) != 1 or dtype.kind not in _DATA_KINDS[key]):
+        elif group == "data" and (len(shape) != 1 or dtype.kind not in ARRAY_KINDS[key]):
             raise ValueError(f"array {key} is {shape} {dtype}, not a PyDataset position")
     missing = [key for key in callback_array_keys(meta.callbacks) if key not in headers]
     if missing:

@@ -325,25 +325,15 @@ def saved_metrics(model: Any, loaded: LoadedCheckpoint) -> tuple[list[tuple[Any,
         `(pairs, "")`: `(variable, saved array)` for every metric variable of the model;
         `([], why)` when the checkpoint holds no metrics or others than the model's.
     """
-    keys = sorted(
-        (k for k in loaded.arrays if k.split("/")[0] == "metrics"),
-        key=lambda k: int(k.split("/")[1]),
-    )
+    keys, saved = _saved_entries(loaded, ("metrics",))
     here = [v for group, v in state_variables(model) if group == "metrics"]
     if not keys:
         return [], "the checkpoint holds no metric values (written by an earlier version)"
-    saved_paths = list(loaded.meta.variables)
-    shapes = loaded.shapes
-    saved = [
-        ("metrics", saved_paths[int(k.split("/")[1])].partition(":")[2], tuple(shapes[k]))
-        for k in keys
-        if int(k.split("/")[1]) < len(saved_paths)
-    ]
     prefixes = auto_name_prefixes(model) | {
         _snake_case(type(m).__name__) for m in metrics_of(model)
     }
     pairing = pair_by_path(saved, [("metrics", v.path, tuple(v.shape)) for v in here], prefixes)
-    if pairing.differences or len(saved) != len(keys):
+    if pairing.differences:
         first = "; ".join(pairing.differences[:3])
         return [], f"the checkpoint holds other metrics than this model ({first})"
     host_layout = backends.current().host_layout
@@ -492,6 +482,24 @@ def pair_by_path(
     return Pairing(pairs=pairs, differences=differences)
 
 
+def _saved_entries(
+    loaded: LoadedCheckpoint, groups: Sequence[str]
+) -> tuple[list[str], list[tuple[str, str, tuple[int, ...]]]]:
+    """The array keys of `groups` in the saved order, and `(group, path, shape)` of each."""
+    saved_paths = list(loaded.meta.variables)
+    keys = sorted(
+        (k for k in loaded.arrays if k.split("/")[0] in groups),
+        key=lambda k: int(k.split("/")[1]),
+    )
+    shapes = loaded.shapes  # from the file's array headers: no array is read here
+    saved = []
+    for key in keys:
+        group, number = key.split("/")[0], int(key.split("/")[1])
+        path = saved_paths[number].partition(":")[2] if number < len(saved_paths) else "?"
+        saved.append((group, path, tuple(shapes[key])))
+    return keys, saved
+
+
 def match_state(
     named: Sequence[tuple[str, Any]],
     loaded: LoadedCheckpoint,
@@ -508,17 +516,7 @@ def match_state(
     Raises:
         CheckpointError: When a path or shape differs; nothing is assigned then.
     """
-    saved_paths = list(loaded.meta.variables)
-    keys = sorted(
-        (k for k in loaded.arrays if k.split("/")[0] in groups),
-        key=lambda k: int(k.split("/")[1]),
-    )
-    shapes = loaded.shapes  # from the file's array headers: no array is read here
-    saved = []
-    for key in keys:
-        group, number = key.split("/")[0], int(key.split("/")[1])
-        path = saved_paths[number].partition(":")[2] if number < len(saved_paths) else "?"
-        saved.append((group, path, tuple(shapes[key])))
+    keys, saved = _saved_entries(loaded, groups)
     here = [(group, v.path, tuple(v.shape)) for group, v in named]
     pairing = pair_by_path(saved, here, prefixes, roots)
     if pairing.differences:

@@ -82,6 +82,7 @@ from keras_mirror_kit.checkpoint.meta import (
     parse_json,
     read_manifest_json,
 )
+from keras_mirror_kit.data.py_dataset_cursor import ARRAY_KINDS
 from keras_mirror_kit.validation import non_negative_int, positive_int
 
 __all__ = [
@@ -304,8 +305,8 @@ def _write_npz(
                 raise ValueError(
                     f"cannot store an array named {key!r} in a checkpoint: a name is "
                     "model/N, optimizer/N, metrics/N, random/NAME, callback/KEY/NAME or a "
-                    "PyDataset's data/order, data/python_random, data/python_gauss, without "
-                    "control characters, backslashes or '.' and '..' parts"
+                    f"PyDataset's {', '.join(ARRAY_KINDS)}, without control characters, "
+                    "backslashes or '.' and '..' parts"
                 )
             names.add(key)
             with archive.open(f"{key}.npy", "w", force_zip64=True) as member:

@@ -10,7 +10,8 @@ remaining batches in that order and goes on with that `random` state
 (`resume_from`): the epochs after it are shuffled as the uninterrupted run shuffled them.
 
 The cursor is made for the `PyDataset`s a kit-built model's `fit` reads (TensorFlow
-backend); `workarounds.keras_pydataset_epochs` hands Keras' data adapter the order it gives.
+backend: `backends.tensorflow.py_dataset_cursor`); `workarounds.keras_pydataset_epochs`
+keeps it (`cursor_of`) and hands Keras' data adapter the order it gives.
 Its batches are the `PyDataset`'s own, whatever the global batch size (`own_batches`).
 """
 
@@ -24,11 +25,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ARRAY_NAMES", "PyDatasetCursor", "py_dataset_cursor"]
+__all__ = ["ARRAY_KINDS", "PyDatasetCursor"]
 
 _ORDER, _RANDOM, _GAUSS = "data/order", "data/python_random", "data/python_gauss"
-#: The array names a checkpoint holds the position in (`checkpoint_arrays`).
-ARRAY_NAMES = (_ORDER, _RANDOM, _GAUSS)
+#: The arrays a checkpoint holds the position in (`checkpoint_arrays`), each 1-D, with the
+#: NumPy dtype kinds it may have (`checkpoint.archive.check_layout`).
+ARRAY_KINDS = {_ORDER: "iu", _RANDOM: "iu", _GAUSS: "f"}
 
 
 class PyDatasetCursor:
@@ -43,7 +45,7 @@ class PyDatasetCursor:
     Example:
 
     ```python
-    cursor = py_dataset_cursor(train_py_dataset, create=True)
+    cursor = PyDatasetCursor(train_py_dataset)
     cursor.set(epoch=3, skip_batches=10)  # next epoch: epoch 3, from its batch 10
     ```
     """
@@ -59,7 +61,7 @@ class PyDatasetCursor:
                 "A PyDataset cursor needs a PyDataset of finite length (__len__). "
                 f"Received: dataset={type(dataset).__name__} without num_batches"
             )
-        self._dataset = weakref.ref(dataset)  # weak: the dataset keys the cursor's registry
+        self._dataset = weakref.ref(dataset)  # weak: the dataset keys the cursors' registry
         self._length = int(dataset.num_batches)  # its length when it is gone
         self._lock = threading.Lock()
         self._next = (0, 0)
@@ -197,30 +199,3 @@ def _saved_position(arrays: Mapping[str, np.ndarray], num_batches: int) -> Any:
     except (TypeError, ValueError, OverflowError):
         return None
     return order, state
-
-
-_CURSORS: weakref.WeakKeyDictionary[Any, PyDatasetCursor] = weakref.WeakKeyDictionary()
-
-
-def py_dataset_cursor(dataset: Any, create: bool = False) -> PyDatasetCursor | None:
-    """The cursor of a `PyDataset` (made with `create` for one of finite length), or None.
-
-    Args:
-        dataset: Any object `fit` was given.
-        create: Make the cursor of a `keras.utils.PyDataset` of finite length if it has none.
-
-    Returns:
-        Its `PyDatasetCursor`, or None (not a `PyDataset`, infinite, or none made yet).
-    """
-    try:
-        cursor = _CURSORS.get(dataset)
-    except TypeError:
-        return None
-    if cursor is not None or not create:
-        return cursor
-    import keras
-
-    if not isinstance(dataset, keras.utils.PyDataset) or dataset.num_batches is None:
-        return None
-    cursor = _CURSORS[dataset] = PyDatasetCursor(dataset)
-    return cursor

@@ -36,7 +36,7 @@ from typing import Any
 
 from keras_mirror_kit.workarounds import KerasPatch, Owned
 
-__all__ = ["TESTED_KERAS", "install", "order_by", "own"]
+__all__ = ["TESTED_KERAS", "cursor_of", "install", "order_by", "own"]
 
 #: Keras versions the workaround was tested on: `low <= version < high`.
 TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
@@ -78,7 +78,7 @@ def _patch() -> None:
     @functools.wraps(original_init)
     def init(self: Any, x: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, x, *args, **kwargs)
-        cursor = _cursor_of(x)
+        cursor = cursor_of(x)
         self._kit_cursor = cursor if cursor is not None and cursor.reading else None
         self._kit_order: list[int] | None = None
         if self._kit_cursor is not None:
@@ -124,7 +124,8 @@ def _patch() -> None:
     PyDatasetAdapter._finite_enqueuer_generator = finite_enqueuer_generator  # noqa: SLF001
 
 
-def _cursor_of(x: Any) -> Any:
+def cursor_of(x: Any) -> Any:
+    """The cursor `order_by` gave `x`, or None."""
     try:
         return _CURSORS.get(x)
     except TypeError:  # not weakly referable
@@ -151,6 +152,6 @@ def own(x: Any, training: bool | None = None) -> None:
 
     if isinstance(x, keras.utils.PyDataset) and install():
         _OWNED.add(x)
-        cursor = _cursor_of(x)
+        cursor = cursor_of(x)
         if cursor is not None and training is not None:
             cursor.reading, cursor.claimed = training, False
