@@ -180,8 +180,8 @@ def _child(mode: str) -> dict:
 
 def test_plain_keras_still_overwrites_a_generators_arrays_on_two_replicas() -> None:
     """Upstream: a generator's label arrays come back changed from a `fit` on 2 replicas
-    (in a fresh process, after the first fit of 5 in every run measured). When this fails,
-    `workarounds.tf_generator_buffers` can go."""
+    (in a fresh process; up to `ecosystem_child.FITS` fits, since whether one does depends
+    on tf.data's threads). When this fails, `workarounds.tf_generator_buffers` can go."""
     assert _child("overwrite")["overwritten_after"] is not None
 
 

@@ -2,8 +2,9 @@
 
 `StepContext` is made once per replica, at the start of each own step the kit wraps, from
 the replica's part of the data: its rows, every replica's rows (one all-reduce of an
-N-vector), hence the batch's total, the replica's offset in the batch (tf.distribute gives
-replica `r` the rows after those of replicas `0..r-1`) and its share `rows / total`. The
+N-vector; none where the trace shows even parts: `workarounds.even_rows`), hence the
+batch's total, the replica's offset in the batch (tf.distribute gives replica `r` the rows
+after those of replicas `0..r-1`) and its share `rows / total`. The
 kit's wrappers of the optimizers, metrics and random draws read it through `current()`,
 per thread: MirroredStrategy traces each replica in a thread of its own.
 """
@@ -17,15 +18,9 @@ from typing import Any
 
 import tensorflow as tf
 
-__all__ = ["StepContext", "current", "rows_of", "stepping"]
+from keras_mirror_kit.workarounds import even_rows
 
-
-def rows_of(structure: Any) -> tf.Tensor:
-    """The number of rows of the first tensor in `structure` (int32; 1 without one)."""
-    for leaf in tf.nest.flatten(structure):
-        if leaf is not None and getattr(leaf, "shape", None) is not None:
-            return tf.shape(leaf, out_type=tf.int32)[0] if leaf.shape.rank else tf.constant(1)
-    return tf.constant(1)
+__all__ = ["StepContext", "current", "stepping"]
 
 
 class StepContext:
@@ -48,7 +43,13 @@ class StepContext:
         self.seed_generator = seed_generator
         self.metrics: Any = None  # the step's `metrics.StepMetrics`, on several replicas
         self.rows = tf.cast(rows, tf.int32)
-        if self.replicas > 1:
+        #: The rows of every replica when the trace shows them even (`even_rows`), else None.
+        self.even = even_rows(replica_context, rows) if self.replicas > 1 else None
+        if self.even is not None:  # no all-reduce
+            replica = tf.cast(replica_context.replica_id_in_sync_group, tf.int32)
+            self.offset = replica * self.even
+            self.total = tf.constant(self.even * self.replicas, tf.int32)
+        elif self.replicas > 1:
             replica = replica_context.replica_id_in_sync_group
             mine = tf.one_hot(replica, self.replicas, dtype=tf.int32) * self.rows
             every = replica_context.all_reduce(tf.distribute.ReduceOp.SUM, mine)

@@ -17,18 +17,13 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_mirror_kit.own_steps.context import StepContext, rows_of, stepping
+from keras_mirror_kit.own_steps.context import StepContext, stepping
 from keras_mirror_kit.own_steps.metrics import StepMetrics
+from keras_mirror_kit.workarounds import rows_of
 from keras_mirror_kit.workarounds.keras_own_step_losses import one_device_losses
+from keras_mirror_kit.workarounds.keras_replica_shares import EMPTY_PART
 
-__all__ = ["EMPTY_PART", "wrap"]
-
-EMPTY_PART = (
-    "keras-mirror-kit: a replica received no samples of this training batch (its last "
-    "batch is smaller than the replicas can share). Drop the last partial batch "
-    "(Dataset.batch(..., drop_remainder=True), kmk.make_dataset(..., drop_remainder=True)) "
-    "or pass steps_per_epoch."
-)
+__all__ = ["wrap"]
 
 
 def _one_device_outputs(step: StepContext, outputs: Any) -> Any:
@@ -70,7 +65,7 @@ def wrap(original: Any, *, training: bool, probe_of: Any, seed_generator: Any) -
         rows = rows_of(x if x is not None else data)
         step = StepContext(rows, replica_context, probe_of(), seed_generator)
         step.metrics = StepMetrics() if step.replicas > 1 else None
-        if training and step.replicas > 1:
+        if training and step.replicas > 1 and not step.even:
             check = tf.debugging.assert_positive(step.rows, message=EMPTY_PART)
             data = tf.nest.map_structure(
                 lambda leaf: _after(check, leaf) if isinstance(leaf, tf.Tensor) else leaf, data

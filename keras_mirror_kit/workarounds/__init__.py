@@ -89,8 +89,10 @@ __all__ = [
     "KerasPatch",
     "Owned",
     "inner_optimizer",
+    "even_rows",
     "keras_version_in",
     "parse_version",
+    "rows_of",
     "tf_optimizer_class",
     "version_in",
 ]
@@ -217,3 +219,37 @@ def tf_optimizer_class() -> Any:
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
     return TFOptimizer
+
+
+def rows_of(structure: Any) -> Any:
+    """The rows of the first tensor in `structure`: an int32 scalar tensor, constant when
+    the trace knows them (1 without a tensor)."""
+    import tensorflow as tf
+
+    for leaf in tf.nest.flatten(structure):
+        if leaf is not None and getattr(leaf, "shape", None) is not None:
+            if not leaf.shape.rank:
+                return tf.constant(1)
+            static = leaf.shape[0]
+            return tf.constant(static) if static is not None else tf.shape(leaf)[0]
+    return tf.constant(1)
+
+
+def even_rows(ctx: Any, rows: Any) -> int | None:
+    """The rows every replica of `ctx` holds in the step being traced, when the trace shows
+    them equal (`rows` from `rows_of`), else None. Under a one-host `MirroredStrategy`
+    the replicas' static counts are compared while the step is traced (a merge call: no
+    op at run time; tf.function traces a batch split 5/4 with those static shapes);
+    elsewhere (several hosts) the answer is None."""
+    import tensorflow as tf
+
+    if not isinstance(getattr(ctx, "strategy", None), tf.distribute.MirroredStrategy):
+        return None
+    static = tf.get_static_value(rows)
+    mine = -1 if static is None else int(static)
+    every = set(ctx.merge_call(_local_values, args=(mine,)))
+    return every.pop() if len(every) == 1 and mine >= 0 else None
+
+
+def _local_values(strategy: Any, value: Any) -> tuple[Any, ...]:
+    return tuple(strategy.experimental_local_results(value))

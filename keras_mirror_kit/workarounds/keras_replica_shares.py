@@ -57,9 +57,10 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit.workarounds import keras_version_in
+from keras_mirror_kit.workarounds import even_rows, keras_version_in, rows_of
 
 __all__ = [
+    "EMPTY_PART",
     "TESTED_KERAS",
     "UPSTREAM",
     "apply",
@@ -69,6 +70,12 @@ __all__ = [
 ]
 
 UPSTREAM = "keras-team/keras#20609"
+EMPTY_PART = (
+    "keras-mirror-kit: a replica received no samples of this training batch (its last "
+    "batch is smaller than the replicas can share). Drop the last partial batch "
+    "(Dataset.batch(..., drop_remainder=True), kmk.make_dataset(..., drop_remainder=True)) "
+    "or pass steps_per_epoch."
+)
 #: Keras versions the workaround was tested on: `low <= version < high`.
 TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
 # The models `apply` ran on, and the steps it replaced on each.
@@ -88,14 +95,6 @@ def probe_empty_conv() -> bool:
             tf.zeros((0, 28, 28, 3)), tf.zeros((3, 3, 3, 16)), strides=4, padding="SAME"
         )
     return tuple(out.shape) != (0, 7, 7, 16)
-
-
-def _rows(structure: Any) -> tf.Tensor:
-    """The number of rows of the first tensor in `structure` (int32)."""
-    for leaf in tf.nest.flatten(structure):
-        if leaf is not None and getattr(leaf, "shape", None) is not None:
-            return tf.shape(leaf, out_type=tf.int32)[0] if leaf.shape.rank else tf.constant(1)
-    return tf.constant(1)
 
 
 def _replicated() -> tf.distribute.ReplicaContext | None:
@@ -133,13 +132,18 @@ def trains_exactly(model: Any) -> bool:
 
 
 class _Step:
-    """What the loss weighting of the step being traced needs: rows, total, replicas."""
+    """What the loss weighting of the step being traced needs: rows, total, replicas (the
+    total without an all-reduce where the trace shows even parts: `even_rows`)."""
 
     def __init__(self, ctx: tf.distribute.ReplicaContext, rows: tf.Tensor) -> None:
         self.ctx = ctx
         self.n = ctx.num_replicas_in_sync
+        self.even = even_rows(ctx, rows)
         self.rows = tf.cast(rows, tf.float32)
-        self.total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, self.rows)
+        if self.even is None:
+            self.total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, self.rows)
+        else:
+            self.total = tf.constant(float(self.even * self.n))
         self.share = self.weight(self.rows, self.total)
 
     def weight(self, part: tf.Tensor, whole: tf.Tensor) -> tf.Tensor:
@@ -255,20 +259,13 @@ def _train_step(model: Any, state: _State, original: Any) -> Any:
         if ctx is None:
             return original(data)
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        rows = _rows(x)
-        check = tf.debugging.assert_positive(
-            rows,
-            message=(
-                "keras-mirror-kit: a replica received no samples of this training batch "
-                "(its last batch is smaller than the replicas can share). Drop the last "
-                "partial batch (Dataset.batch(..., drop_remainder=True), "
-                "kmk.make_dataset(..., drop_remainder=True)) or pass steps_per_epoch."
-            ),
-        )
-        # The check gates the forward pass (local), not the all-reduce below, which then
-        # overlaps the forward pass: no barrier before it.
-        x = _after(check, x)
+        rows = rows_of(x)
         step = _Step(ctx, rows)
+        if not step.even:  # parts the trace cannot show to be even and not empty
+            check = tf.debugging.assert_positive(rows, message=EMPTY_PART)
+            # The check gates the forward pass (local), not the all-reduce of the rows,
+            # which then overlaps the forward pass: no barrier before it.
+            x = _after(check, x)
         _share_compiled_losses(model, state)
         with tf.GradientTape() as tape:
             if model._call_has_training_arg:  # noqa: SLF001
@@ -351,7 +348,7 @@ def _test_step(model: Any, original: Any) -> Any:
         if ctx is None:
             return original(data)
         x = data_adapter_utils.unpack_x_y_sample_weight(data)[0]
-        rows = _rows(x)
+        rows = rows_of(x)
         _share_output_losses(model)
         share = _Step(ctx, rows).share / float(ctx.num_replicas_in_sync)  # rows / total
         previous, _evaluation.share = _evaluation.share, share
@@ -378,7 +375,7 @@ def _predict_step(original: Any) -> Any:
     def predict_step(data: Any) -> Any:
         if _replicated() is None or not _dense_only(data):
             return original(data)
-        rows = _rows(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
+        rows = rows_of(data_adapter_utils.unpack_x_y_sample_weight(data)[0])
 
         def padded(leaf: Any) -> Any:
             if not isinstance(leaf, tf.Tensor) or not leaf.shape.rank:
