@@ -32,6 +32,22 @@ directory (or `--dir`; 10 class subdirectories; smooth gradients with noise, qua
    decodes every batch it skips; and Keras' shuffle buffer would not give the same order
    anyway). Target (folder): 90% within 1.5x of 0%.
 
+4. **The start of every epoch** (`--skip` it with `small`): a small folder, 480 JPEGs of 40
+   to 90 pixels read at 48x48, batch 32, seed 1, where an epoch's start dominates; and the
+   same 480 images as a table and as TFRecord shards. Per round (`--small-rounds`, the
+   loaders alternating, the order reversed every other round), one whole epoch of each:
+   the time from the iterator's creation to its first batch, the CPU time of creating
+   the iterator (`time.process_time`: what a loaded host does not inflate), and the
+   images/s of the whole epoch (creation to last batch); medians, and the median of the
+   per-round ratios. Folder: the kit's `image_dataset_from_directory` against Keras'
+   `keras.utils.image_dataset_from_directory` (targets: first batch <= Keras', epoch
+   images/s >= 1.0x Keras'). Table: `kmk.make_dataset` of a pandas DataFrame of 480 rows (16
+   float32 columns and a string column, as keras-io's structured-data examples) against
+   their pipeline, `from_tensor_slices((dict(df), labels)).shuffle(len(df)).batch(32)`.
+   Records: `kmk.tfrecord_dataset` of the 480 JPEGs in 16 shards against
+   `TFRecordDataset(files).shuffle(256).map(parse, AUTOTUNE).batch(32).prefetch(AUTOTUNE)`.
+   The machine it ran on is printed first (`lscpu`).
+
 Usage:
 
     python benchmarks/image_folder.py                     # 5,000 files; RSS 5,000 and 20,000
@@ -411,16 +427,135 @@ def _plot_resume(medians: dict[str, list[float]], path: str, num_files: int) -> 
     plt.close(fig)
 
 
+SMALL = 480  # files of the small folder (40 to 90 pixels a side), read at 48x48
+
+
+def machine() -> str:
+    """This host as `lscpu` describes it (model, CPUs, threads per core, L3)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return f"{os.cpu_count()} CPUs (no lscpu)"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    wanted = ("Model name", "CPU(s)", "Thread(s) per core", "L3 cache", "Hypervisor vendor")
+    return "; ".join(f"{k} {fields[k].strip()}" for k in wanted if k in fields)
+
+
+def small_pipelines(base: Path) -> dict[str, tuple[object, object]]:
+    """(kit, baseline) per source: the small folder, a table, TFRecord shards."""
+    import keras
+    import numpy as np
+    import pandas as pd
+    import tensorflow as tf
+
+    import keras_mirror_kit as kmk
+
+    folder = write_folder(base / f"small-{SMALL}", SMALL, 2, (40, 90))
+    common = dict(image_size=(48, 48), batch_size=32, seed=1, verbose=False)
+    rng = np.random.default_rng(0)
+    frame = pd.DataFrame({f"f{i}": rng.normal(size=SMALL).astype("float32") for i in range(16)})
+    frame["kind"] = rng.choice(["fixed", "normal", "reversible"], SMALL)
+    labels = rng.integers(0, 2, SMALL)
+    keras_io = tf.data.Dataset.from_tensor_slices((dict(frame), labels))
+    shards = write_shards(folder, base / f"small-{SMALL}-shards")
+
+    def parse(record):  # the JPEG at 48x48, as parse_jpeg does at 224
+        spec = {
+            "image": tf.io.FixedLenFeature([], tf.string),
+            "label": tf.io.FixedLenFeature([], tf.int64),
+        }
+        example = tf.io.parse_single_example(record, spec)
+        image = tf.io.decode_jpeg(example["image"], channels=3)
+        return tf.image.resize(image, (48, 48)), example["label"]
+
+    records = tf.data.TFRecordDataset(shards).shuffle(256, seed=1)
+    records = records.map(parse, num_parallel_calls=tf.data.AUTOTUNE).batch(32)
+    return {
+        "folder": (
+            kmk.image_dataset_from_directory(str(folder), **common),
+            keras.utils.image_dataset_from_directory(str(folder), **common),
+        ),
+        "table": (
+            kmk.make_dataset(frame, labels, 32, seed=1),
+            keras_io.shuffle(SMALL, seed=1).batch(32),
+        ),
+        "records": (
+            kmk.tfrecord_dataset(shards, parse, 32, seed=1, shuffle_window=256),
+            records.prefetch(tf.data.AUTOTUNE),
+        ),
+    }
+
+
+def one_epoch_started(dataset) -> tuple[float, float, float]:
+    """`(seconds to the first batch, CPU seconds creating the iterator, images/s)` of one
+    whole epoch, each from the iterator's creation."""
+    cpu, start = time.process_time(), time.perf_counter()
+    iterator = iter(dataset)
+    created = time.process_time() - cpu
+    images = _count(next(iterator))
+    first = time.perf_counter() - start
+    for batch in iterator:
+        images += _count(batch)
+    return first, created, images / (time.perf_counter() - start)
+
+
+def _count(batch) -> int:
+    import tensorflow as tf
+
+    return int(tf.nest.flatten(batch)[0].shape[0])
+
+
+def small_folder(base: Path, rounds: int) -> None:
+    say(f"## the start of every epoch: {SMALL} small JPEGs at 48x48, batch 32, {rounds} rounds")
+    pairs = small_pipelines(base)
+    names = {"folder": ("kit", "Keras' loader"), "table": ("kit", "keras-io"),
+             "records": ("kit", "tf.data")}  # fmt: skip
+    runs = {(source, i): [] for source in pairs for i in (0, 1)}
+    for pair in pairs.values():
+        for dataset in pair:  # warm up: an epoch each (traces, page cache)
+            one_epoch_started(dataset)
+    for r in range(rounds):
+        for source, pair in pairs.items():
+            for i in (1, 0) if r % 2 else (0, 1):
+                runs[(source, i)].append(one_epoch_started(pair[i]))
+    say("| source | pipeline | first batch, median (min-max) | iterator's CPU | images/s | "
+        "first batch, kit / it (per round) | images/s, kit / it (per round) |")  # fmt: skip
+    say("|---|---|---:|---:|---:|---:|---:|")
+    for source in pairs:
+        for i in (0, 1):
+            firsts, cpus, rates = (list(column) for column in zip(*runs[(source, i)]))
+            cells = (f"{statistics.median(firsts) * 1e3:.1f} ms ({min(firsts) * 1e3:.1f}-"
+                     f"{max(firsts) * 1e3:.1f}) | {statistics.median(cpus) * 1e3:.1f} ms | "
+                     f"{statistics.median(rates):.0f}")  # fmt: skip
+            ratios = " | |"
+            if i == 1:
+                kit = runs[(source, 0)]
+                first_ratio = [k[0] / o[0] for k, o in zip(kit, runs[(source, 1)])]
+                rate_ratio = [k[2] / o[2] for k, o in zip(kit, runs[(source, 1)])]
+                ratios = (f" | {statistics.median(first_ratio):.2f}x ({min(first_ratio):.2f}-"
+                          f"{max(first_ratio):.2f}) | {statistics.median(rate_ratio):.2f}x "
+                          f"({min(rate_ratio):.2f}-{max(rate_ratio):.2f}) |")  # fmt: skip
+            say(f"| {source} | {names[source][i]} | {cells}{ratios}")
+    kit, keras_runs = runs[("folder", 0)], runs[("folder", 1)]
+    first = statistics.median(k[0] / o[0] for k, o in zip(kit, keras_runs))
+    rate = statistics.median(k[2] / o[2] for k, o in zip(kit, keras_runs))
+    say(f"folder: first batch kit / Keras {first:.2f}x (target <= 1.0: "
+        f"{'PASS' if first <= 1.0 else 'NOT MET'}); epoch images/s kit / Keras {rate:.2f}x "
+        f"(target >= 1.0: {'PASS' if rate >= 1.0 else 'NOT MET'})")  # fmt: skip
+    say()
+
+
 def main() -> int:
-    """Runs the three measurements and prints their tables (0 unless a child failed)."""
+    """Runs the four measurements and prints their tables (0 unless a child failed)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--files", type=int, default=5000)
     parser.add_argument("--rss-files", default="5000,20000")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=2, help="epochs per round (throughput)")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--small-rounds", type=int, default=15, help="rounds (epoch start)")
     parser.add_argument("--dir", help="where to write (and keep) the folders")
-    parser.add_argument("--skip", default="", help="comma list of: throughput,rss,resume")
+    parser.add_argument("--skip", default="", help="comma list of: throughput,rss,resume,small")
     parser.add_argument("--plot", help="draw the resume latencies into this PNG file")
     parser.add_argument("--child-rss", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -434,6 +569,9 @@ def main() -> int:
     say(f"command: python benchmarks/image_folder.py {' '.join(sys.argv[1:])}; TensorFlow "
         f"{tf.__version__}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; "
         f"files in {base}")  # fmt: skip
+    say(f"machine: {machine()}")
+    if "small" not in skip:
+        small_folder(base, args.small_rounds)
     if "throughput" not in skip:
         folders = {
             224: write_folder(base / f"large-{args.files}", args.files, 1, (224, 288)),

@@ -7,7 +7,8 @@ the same `file_paths`, `class_names`, labels and pixels as Keras' loaders. What 
 each epoch is a permutation keyed on `(seed, epoch)`, which `SyncedCheckpoint(dataset=)`
 resumes exactly mid-epoch, not a shuffle buffer; and the dataset has one element per
 batch, whose files a `tf.map_fn` decodes (a tf.data element per file costs more than
-decoding a small image), the batches in a parallel, deterministic map.
+decoding a small image), the batches in a parallel, deterministic map; `preprocess` and
+`augment` in a map of their own (see `workarounds.tf_data_function_instantiation`).
 
 With a `seed`, the files are indexed in the order Keras gives them with that seed; without
 one, in sorted order, and the kit's permutation (its drawn seed saved by `SyncedCheckpoint`)
@@ -18,8 +19,8 @@ and an image header that declares more than `max_image_pixels` pixels are refuse
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from keras_mirror_kit.data.augment import (
     describe,
     fold_key,
 )
+from keras_mirror_kit.data.decode_parallelism import parallelism
 from keras_mirror_kit.data.image_headers import (
     DEFAULT_MAX_IMAGE_PIXELS,
     check_image_files,
@@ -51,6 +53,7 @@ from keras_mirror_kit.data.samples import BATCH_DOMAIN, apply_keyed
 from keras_mirror_kit.data.sharding import fill_batch, own_range, record_part, worker_slice
 from keras_mirror_kit.data.sources import index_batches, to_tensors
 from keras_mirror_kit.validation import check_bool, positive_int
+from keras_mirror_kit.workarounds.tf_data_function_instantiation import host_functions
 
 __all__ = ["image_dataset_from_directory", "text_dataset_from_directory"]
 
@@ -58,8 +61,6 @@ IMAGE_FORMATS = (".bmp", ".gif", ".jpeg", ".jpg", ".png")
 INTERPOLATIONS = ("bilinear", "nearest", "bicubic", "area")
 INTERPOLATIONS += ("lanczos3", "lanczos5", "gaussian", "mitchellcubic")
 _CHANNELS = {"grayscale": 1, "rgb": 3, "rgba": 4}
-# What the files of one batch may occupy decoded, summed over the batches decoded at once.
-_IN_FLIGHT_BYTES = 256 * 2**20
 
 
 class _Load:
@@ -84,20 +85,6 @@ def _decode_crop(augment: Any) -> tuple[RandomCropFlip | None, Any]:
     if isinstance(augment, Then) and isinstance(augment.first, RandomCropFlip):
         return augment.first, augment.second
     return None, augment
-
-
-def _parallelism(spec: tf.TensorSpec, per_batch: int) -> tuple[int, int]:
-    """`(batches decoded at once, files decoded at once in each)`: twice as many files as
-    cores in flight (one batch's end does not idle a core), and at most
-    `_IN_FLIGHT_BYTES` of decoded batches (at least one batch)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    known = spec.shape.is_fully_defined() and spec.dtype != tf.string
-    sample = spec.shape.num_elements() * spec.dtype.size if known else 4096
-    calls = max(1, min(cores, _IN_FLIGHT_BYTES // max(1, sample * per_batch)))
-    return calls, max(2, -(-2 * cores // calls))
 
 
 def _output_spec(load: _Load) -> tf.TensorSpec:
@@ -147,7 +134,7 @@ def _folder_dataset(
     all_jpeg = shapes is not None and bool(np.all(shapes[:, 2]))
     spec = _output_spec(load)
     own = batch_size if part is None else -(-batch_size // part.num_workers)
-    calls, per_batch = _parallelism(spec, own)
+    calls, per_batch, one_by_one = parallelism(spec, own)
 
     def batches(apply: Callable[[Any], Any] | None, check: bool) -> tf.data.Dataset:
         graphs: list[tf.Graph] = []
@@ -175,16 +162,24 @@ def _folder_dataset(
                 )
             if part is not None:
                 features = fill_batch(features, size, start)
-            if apply is not None:
-                graphs.append(tf.compat.v1.get_default_graph())
-                features = apply_keyed(apply, features, key)
-            if label_values is None:
-                return features
-            found = tf.gather(label_values, batch["ids"])
-            return features, found if label_map is None else label_map(found)
+            out: tuple[Any, ...] = (features,) if apply is None else (features, key)
+            if label_values is not None:
+                found = tf.gather(label_values, batch["ids"])
+                out += (found if label_map is None else label_map(found),)
+            return out[0] if len(out) == 1 else out
 
-        dataset = index_batches(cursor, n, batch_size, num_batches, shuffle)
-        dataset = dataset.map(decode, num_parallel_calls=calls, deterministic=True)
+        def preprocess_batch(features: Any, key: tf.Tensor, *labels: Any) -> Any:
+            graphs.append(tf.compat.v1.get_default_graph())
+            features = apply_keyed(apply, features, key)
+            return (features, *labels) if labels else features
+
+        with host_functions():  # the kit's own functions: no user code
+            dataset = index_batches(cursor, n, batch_size, num_batches, shuffle)
+        # Multi-device where fewer batches than cores fit (its map_fn's files in parallel).
+        with host_functions() if one_by_one else contextlib.nullcontext():
+            dataset = dataset.map(decode, num_parallel_calls=calls, deterministic=True)
+        if apply is not None:  # the user's function, in a map of its own
+            dataset = dataset.map(preprocess_batch, num_parallel_calls=calls, deterministic=True)
         if check:
             for graph in graphs:
                 check_deterministic(graph, f"preprocess={describe(apply)}", strict)

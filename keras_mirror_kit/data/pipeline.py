@@ -39,6 +39,7 @@ from keras_mirror_kit.data.sharding import record_part, worker_slice
 from keras_mirror_kit.data.sources import indexed_dataset, to_tensors
 from keras_mirror_kit.multi_worker import cluster
 from keras_mirror_kit.validation import check_bool, non_negative_int, positive_int
+from keras_mirror_kit.workarounds.tf_data_function_instantiation import host_functions
 
 __all__ = [
     "build_dataset",
@@ -263,20 +264,28 @@ def build_dataset(
                 label_map=label_map,
             )
     else:
-        indices = _batch_indices(cursor, n, batch_size, num_batches, shuffle)
+        with host_functions():  # the kit's own functions: no user code
+            indices = _batch_indices(cursor, n, batch_size, num_batches, shuffle)
 
         def batches(apply: Callable[[Any], Any] | None, check: bool) -> tf.data.Dataset:
             graphs: list[tf.Graph] = []
 
             def gather(index: tf.Tensor, key: tf.Tensor) -> Any:
                 picked = tf.nest.map_structure(lambda t: tf.gather(t, index), tensors)
-                if apply is None:
-                    return picked[0] if y is None else picked
-                graphs.append(tf.compat.v1.get_default_graph())
-                batch = apply_keyed(apply, picked[0], key)
-                return batch if y is None else (batch, picked[1])
+                if apply is not None:
+                    return (picked[0], key, *picked[1:])
+                return picked[0] if y is None else picked
 
-            dataset = indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            def preprocess_batch(features: Any, key: tf.Tensor, *labels: Any) -> Any:
+                graphs.append(tf.compat.v1.get_default_graph())
+                batch = apply_keyed(apply, features, key)
+                return (batch, *labels) if labels else batch
+
+            parallel = dict(num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            with host_functions():
+                dataset = indices.map(gather, **parallel)
+            if apply is not None:  # the user's function, in a map of its own
+                dataset = dataset.map(preprocess_batch, **parallel)
             if check:
                 for graph in graphs:
                     check_deterministic(graph, f"preprocess={describe(apply)}", strict)

@@ -42,6 +42,7 @@ from keras_mirror_kit.data.pipeline import (
 from keras_mirror_kit.data.samples import load_batches, slot_count
 from keras_mirror_kit.data.sharding import WorkerSlice, record_part, worker_slice
 from keras_mirror_kit.validation import check_bool, positive_int
+from keras_mirror_kit.workarounds.tf_data_function_instantiation import host_functions
 
 __all__ = ["count_records", "record_batches", "tfrecord_dataset"]
 
@@ -175,7 +176,8 @@ def record_batches(
     def take_cursor(_: tf.Tensor) -> Any:
         return tuple(tf.reshape(value, []) for value in cursor._take())  # noqa: SLF001
 
-    return tf.data.Dataset.range(1).map(take_cursor).flat_map(epoch_of)
+    with host_functions():  # the kit's own functions: no user code
+        return tf.data.Dataset.range(1).map(take_cursor).flat_map(epoch_of)
 
 
 def _records_dataset(

@@ -20,6 +20,7 @@ workers, and only then given to `preprocess`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ from keras_mirror_kit.data.augment import (
     takes_seed,
 )
 from keras_mirror_kit.data.sharding import WorkerSlice, fill_batch, own_range
+from keras_mirror_kit.workarounds.tf_data_function_instantiation import host_functions
 
 __all__ = ["BATCH_DOMAIN", "SAMPLE_DOMAIN", "apply_keyed", "load_batches", "slot_count"]
 
@@ -164,11 +166,12 @@ def load_batches(
             labels = label_map(labels)
         return (features, labels) if has_y else features
 
-    dataset = batches.map(to_slots).unbatch()
-    dataset = dataset.map(load_one, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    dataset = dataset.batch(slots).map(
-        finish, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
-    )
+    parallel = dict(num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    with host_functions():  # the kit's own functions: no user code
+        dataset = batches.map(to_slots).unbatch()
+    dataset = dataset.map(load_one, **parallel).batch(slots)  # the user's `load`
+    with host_functions() if preprocess is None else contextlib.nullcontext():
+        dataset = dataset.map(finish, **parallel)
     if strict is not None:
         for graph, what in graphs:
             check_deterministic(graph, what, strict)

@@ -22,6 +22,7 @@ import tensorflow as tf
 from keras_mirror_kit.data.cursor import DatasetCursor
 from keras_mirror_kit.data.samples import load_batches, slot_count
 from keras_mirror_kit.data.sharding import WorkerSlice
+from keras_mirror_kit.workarounds.tf_data_function_instantiation import host_functions
 
 __all__ = ["as_columns", "index_batches", "indexed_dataset", "is_table", "to_tensors"]
 
@@ -129,7 +130,8 @@ def indexed_dataset(
             batch["labels"] = tf.nest.map_structure(lambda t: tf.gather(t, batch["ids"]), labels)
         return batch
 
-    batches = index_batches(cursor, n, batch_size, num_batches, shuffle).map(gather)
+    with host_functions():  # the kit's own functions: no user code
+        batches = index_batches(cursor, n, batch_size, num_batches, shuffle).map(gather)
     last_size = 0 if drop else n % batch_size
     dataset = load_batches(
         batches,

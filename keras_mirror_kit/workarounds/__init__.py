@@ -75,6 +75,12 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
 * `tf_data_iterator_stall`: `fit` stalls at epoch ends on a lost wake-up of `tf.data`'s
   autotuning thread (TensorFlow, not Keras). No upstream report found (see the module).
   Remove when `benchmarks/end_of_fit_stall.py` shows no stall with autotuning on.
+* `tf_data_function_instantiation`: every new iterator (one per epoch in `fit`) runs
+  Grappler and the MLIR passes again on every function of its pipeline, which TensorFlow
+  instantiates as multi-device ones: the kit's own functions are built single-device. No
+  upstream report found (see the module). Remove when `tests/
+  test_tf_data_function_instantiation.py::test_plain_tf_data_functions_are_still_multi_device`
+  fails.
 """
 
 from __future__ import annotations
