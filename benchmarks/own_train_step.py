@@ -178,12 +178,14 @@ def _paired_steps(conditions: list[dict], pairs: int, tf) -> tuple[list[float], 
         for c in conditions
     ]
     iterators = [iter(it) for it in iterators]
+    for condition in conditions:
+        condition["model"].make_train_function()
+    functions = [c["model"].train_function for c in conditions]  # what fit calls per step
     times: tuple[list[float], list[float]] = ([], [])
 
     def step(index: int) -> float:
-        model = conditions[index]["model"]
         start = time.perf_counter()
-        out = model.train_function(iterators[index])
+        out = functions[index](iterators[index])
         if isinstance(out, tf.experimental.Optional):
             out = out.get_value()
         float(out["loss"])  # the step has run
