@@ -346,7 +346,8 @@ def write_shards(folder: Path, root: Path, shards: int = 16) -> list[str]:
     return paths
 
 
-def parse_jpeg(record):
+def parse_jpeg(record, size: int = 224):
+    """A record's JPEG decoded and resized to `size` x `size`, and its label."""
     import tensorflow as tf
 
     spec = {
@@ -355,7 +356,7 @@ def parse_jpeg(record):
     }
     example = tf.io.parse_single_example(record, spec)
     image = tf.io.decode_jpeg(example["image"], channels=3)
-    return tf.image.resize(image, (224, 224)), example["label"]
+    return tf.image.resize(image, (size, size)), example["label"]
 
 
 def resume_latency(folder: Path, base: Path, repeats: int, plot: str | None = None) -> None:
@@ -459,14 +460,8 @@ def small_pipelines(base: Path) -> dict[str, tuple[object, object]]:
     keras_io = tf.data.Dataset.from_tensor_slices((dict(frame), labels))
     shards = write_shards(folder, base / f"small-{SMALL}-shards")
 
-    def parse(record):  # the JPEG at 48x48, as parse_jpeg does at 224
-        spec = {
-            "image": tf.io.FixedLenFeature([], tf.string),
-            "label": tf.io.FixedLenFeature([], tf.int64),
-        }
-        example = tf.io.parse_single_example(record, spec)
-        image = tf.io.decode_jpeg(example["image"], channels=3)
-        return tf.image.resize(image, (48, 48)), example["label"]
+    def parse(record):  # the JPEG at 48x48
+        return parse_jpeg(record, 48)
 
     records = tf.data.TFRecordDataset(shards).shuffle(256, seed=1)
     records = records.map(parse, num_parallel_calls=tf.data.AUTOTUNE).batch(32)

@@ -85,15 +85,17 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
     "KerasPatch",
     "Owned",
+    "ThreadBlock",
     "inner_optimizer",
     "even_rows",
     "keras_version_in",
@@ -174,6 +176,57 @@ class KerasPatch:
                     patch()
                 self._applied = tested
             return self._applied
+
+
+class ThreadBlock:
+    """A patch of TensorFlow installed once, that acts only in threads inside its block.
+
+    `install()` runs the first time a block is entered (thread-safe) and says whether the
+    patch is in place; the patched code asks `active()` whether the thread that runs it is
+    inside a block (blocks nest, per thread).
+
+    Args:
+        install: Installs the patch; returns False where it cannot (called at most once).
+
+    Example:
+
+    ```python
+    _BLOCK = ThreadBlock(_install)  # _install() wraps a TensorFlow function once
+
+    def wrapped(*args):
+        return original(*args) if not _BLOCK.active() else changed(*args)
+
+    with _BLOCK.block():
+        dataset = build()
+    ```
+    """
+
+    def __init__(self, install: Callable[[], bool]) -> None:
+        self._install = install
+        self._lock = threading.Lock()
+        self._installed: bool | None = None
+        self._local = threading.local()
+
+    def installed(self) -> bool:
+        """Installs the patch the first time; whether it is in place."""
+        with self._lock:
+            if self._installed is None:
+                self._installed = bool(self._install())
+            return self._installed
+
+    def active(self) -> bool:
+        """Whether the calling thread is inside a block."""
+        return getattr(self._local, "depth", 0) > 0
+
+    @contextlib.contextmanager
+    def block(self) -> Iterator[None]:
+        """Makes the patch act in this thread while the block runs (installed first)."""
+        self.installed()
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
 
 
 class Owned:

@@ -40,12 +40,13 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import tensorflow as tf
+
+from keras_mirror_kit.workarounds import ThreadBlock
 
 __all__ = ["ATTRIBUTE", "host_functions"]
 
@@ -57,19 +58,9 @@ ATTRIBUTE = "experimental_ints_on_device"
 _TARGET_MODULE = "tensorflow.python.data.ops.structured_function"
 _TARGET_CLASS = "StructuredFunctionWrapper"
 
-_lock = threading.Lock()  # guards the one-time install
-_local = threading.local()  # each thread's depth of `host_functions` blocks
-_installed = False
-_unavailable = False
-
 
 def _install() -> bool:
-    """Wraps TensorFlow's tf.data function tracer once; False when it cannot be."""
-    global _installed, _unavailable
-    if _installed:
-        return True
-    if _unavailable:
-        return False
+    """Wraps TensorFlow's tf.data function tracer (once, by `_BLOCK`); False when it cannot."""
     import importlib
 
     try:
@@ -79,7 +70,6 @@ def _install() -> bool:
     except (ImportError, AttributeError, TypeError, ValueError):
         takes = False
     if not takes:
-        _unavailable = True
         logger.warning(
             "keras-mirror-kit: this TensorFlow (%s) has no %s.%s taking `defun_kwargs`, so "
             "every new iterator over a kit dataset optimizes its functions again (see "
@@ -92,13 +82,15 @@ def _install() -> bool:
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, defun_kwargs: Any = None, **kwargs: Any) -> None:  # noqa: N807
-        if getattr(_local, "depth", 0) > 0 and not kwargs.get("use_legacy_function"):
+        if _BLOCK.active() and not kwargs.get("use_legacy_function"):
             defun_kwargs = {**(defun_kwargs or {}), ATTRIBUTE: True}
         original(self, *args, defun_kwargs=defun_kwargs, **kwargs)
 
     wrapper.__init__ = __init__
-    _installed = True
     return True
+
+
+_BLOCK = ThreadBlock(_install)  # the functions traced inside `host_functions()`
 
 
 @contextmanager
@@ -108,13 +100,5 @@ def host_functions() -> Iterator[None]:
     For the kit's own functions only (host tensors and CPU tables, no user code): a new
     iterator then instantiates them without Grappler. Re-entrant, and per thread.
     """
-    with _lock:
-        available = _install()
-    if not available:
+    with _BLOCK.block():
         yield
-        return
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1

@@ -51,13 +51,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import tensorflow as tf
+
+from keras_mirror_kit.workarounds import ThreadBlock
 
 __all__ = [
     "PATCHED_METHODS",
@@ -76,10 +77,6 @@ _APPLIED: weakref.WeakSet[Any] = weakref.WeakSet()  # models `apply` wrapped
 _TARGET_MODULE = "tensorflow.python.data.ops.multi_device_iterator_ops"
 _TARGET_NAME = "_create_device_dataset"
 
-_lock = threading.Lock()  # guards the one-time install
-_local = threading.local()  # each thread's depth of `per_device_autotune_disabled` blocks
-_installed = False
-_unavailable = False
 
 M = TypeVar("M")
 
@@ -96,19 +93,14 @@ def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
 
 
 def _install() -> bool:
-    """Wraps TensorFlow's per-device dataset builder once; False when it is not there."""
-    global _installed, _unavailable
-    if _installed:
-        return True
-    if _unavailable:
-        return False
+    """Wraps TensorFlow's per-device dataset builder (once, by `_BLOCK`); False when it is
+    not there."""
     import importlib
 
     try:
         module = importlib.import_module(_TARGET_MODULE)
         original = getattr(module, _TARGET_NAME)
     except (ImportError, AttributeError):
-        _unavailable = True
         logger.warning(
             "keras-mirror-kit: this TensorFlow (%s) has no %s.%s, so the per-device input "
             "pipelines keep autotuning and model.fit may stall at epoch ends "
@@ -122,13 +114,15 @@ def _install() -> bool:
     @functools.wraps(original)
     def create_device_dataset(*args: Any, **kwargs: Any) -> Any:
         dataset = original(*args, **kwargs)
-        if getattr(_local, "depth", 0) > 0:  # this thread is inside a block
+        if _BLOCK.active():  # this thread is inside a block
             dataset = without_autotune(dataset)
         return dataset
 
     setattr(module, _TARGET_NAME, create_device_dataset)
-    _installed = True
     return True
+
+
+_BLOCK = ThreadBlock(_install)  # the pipelines built inside `per_device_autotune_disabled()`
 
 
 @contextmanager
@@ -140,13 +134,8 @@ def per_device_autotune_disabled() -> Iterator[None]:
     thread. Re-entrant, and per thread: pipelines built outside any such block, including those
     another thread builds while this one is inside, are untouched.
     """
-    with _lock:
-        _install()
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
+    with _BLOCK.block():
         yield
-    finally:
-        _local.depth -= 1
 
 
 def is_applied(model: Any) -> bool:
