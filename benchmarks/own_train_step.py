@@ -12,8 +12,10 @@ weights and data, one with the kit's rule and one left to Keras (`own_steps.appl
 switched off while it is built), trained side by side in one process. Two measures:
 
 * **paired steps** (the figure the target is judged on): after a warm-up `fit`, each
-  model's `train_function` (what `fit` calls per step) is called on its own distributed
-  iterator, the two models taking turns step by step (A B, B A, ...), each call timed up
+  model's train function (the step as Keras compiles it, from `make_train_function`) is
+  called on its own distributed iterator over the dataset (whose batches come rescaled
+  from the host here: inside `fit` the kit runs the rescale on the replicas, in both models
+  alike), the two models taking turns step by step (A B, B A, ...), each call timed up
   to its returned loss; the ratio of the two median step times, per block of steps and
   over all. Pairing step by step makes the machine's load, which drifts by 15-35% from one
   epoch to the next on a shared host, the same for both.
@@ -180,7 +182,7 @@ def _paired_steps(conditions: list[dict], pairs: int, tf) -> tuple[list[float], 
     iterators = [iter(it) for it in iterators]
     for condition in conditions:
         condition["model"].make_train_function()
-    functions = [c["model"].train_function for c in conditions]  # what fit calls per step
+    functions = [c["model"].train_function for c in conditions]  # the compiled steps
     times: tuple[list[float], list[float]] = ([], [])
 
     def step(index: int) -> float:
