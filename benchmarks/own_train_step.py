@@ -36,6 +36,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 
 
 def parse() -> argparse.Namespace:
@@ -173,13 +174,10 @@ def main() -> int:
 
 def _paired_steps(conditions: list[dict], pairs: int, tf) -> tuple[list[float], list[float]]:
     """Each model's step times (ms) when the two take turns step by step (A B, B A, ...)."""
-    import time
-
     iterators = [
-        c["model"].distribute_strategy.experimental_distribute_dataset(c["dataset"].repeat())
+        iter(c["model"].distribute_strategy.experimental_distribute_dataset(c["dataset"].repeat()))
         for c in conditions
     ]
-    iterators = [iter(it) for it in iterators]
     for condition in conditions:
         condition["model"].make_train_function()
     functions = [c["model"].train_function for c in conditions]  # the compiled steps

@@ -49,7 +49,7 @@ from keras_mirror_kit.data.pipeline import (
     resolve_seed,
 )
 from keras_mirror_kit.data.preprocess import Then, then
-from keras_mirror_kit.data.samples import BATCH_DOMAIN, apply_keyed
+from keras_mirror_kit.data.samples import BATCH_DOMAIN, map_keyed
 from keras_mirror_kit.data.sharding import fill_batch, own_range, record_part, worker_slice
 from keras_mirror_kit.data.sources import index_batches, to_tensors
 from keras_mirror_kit.validation import check_bool, positive_int
@@ -168,18 +168,13 @@ def _folder_dataset(
                 out += (found if label_map is None else label_map(found),)
             return out[0] if len(out) == 1 else out
 
-        def preprocess_batch(features: Any, key: tf.Tensor, *labels: Any) -> Any:
-            graphs.append(tf.compat.v1.get_default_graph())
-            features = apply_keyed(apply, features, key)
-            return (features, *labels) if labels else features
-
         with host_functions():  # the kit's own functions: no user code
             dataset = index_batches(cursor, n, batch_size, num_batches, shuffle)
         # Multi-device where fewer batches than cores fit (its map_fn's files in parallel).
         with host_functions() if one_by_one else contextlib.nullcontext():
             dataset = dataset.map(decode, num_parallel_calls=calls, deterministic=True)
         if apply is not None:  # the user's function, in a map of its own
-            dataset = dataset.map(preprocess_batch, num_parallel_calls=calls, deterministic=True)
+            dataset = map_keyed(dataset, apply, graphs, calls)
         if check:
             for graph in graphs:
                 check_deterministic(graph, f"preprocess={describe(apply)}", strict)

@@ -34,7 +34,7 @@ from keras_mirror_kit.data.preprocess import (
     ReplicaVariant,
     runs_on_replicas_by_default,
 )
-from keras_mirror_kit.data.samples import BATCH_DOMAIN, apply_keyed
+from keras_mirror_kit.data.samples import BATCH_DOMAIN, map_keyed
 from keras_mirror_kit.data.sharding import record_part, worker_slice
 from keras_mirror_kit.data.sources import indexed_dataset, to_tensors
 from keras_mirror_kit.multi_worker import cluster
@@ -276,16 +276,12 @@ def build_dataset(
                     return (picked[0], key, *picked[1:])
                 return picked[0] if y is None else picked
 
-            def preprocess_batch(features: Any, key: tf.Tensor, *labels: Any) -> Any:
-                graphs.append(tf.compat.v1.get_default_graph())
-                batch = apply_keyed(apply, features, key)
-                return (batch, *labels) if labels else batch
-
-            parallel = dict(num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
             with host_functions():
-                dataset = indices.map(gather, **parallel)
+                dataset = indices.map(
+                    gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True
+                )
             if apply is not None:  # the user's function, in a map of its own
-                dataset = dataset.map(preprocess_batch, **parallel)
+                dataset = map_keyed(dataset, apply, graphs, tf.data.AUTOTUNE)
             if check:
                 for graph in graphs:
                     check_deterministic(graph, f"preprocess={describe(apply)}", strict)

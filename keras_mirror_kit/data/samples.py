@@ -36,7 +36,14 @@ from keras_mirror_kit.data.augment import (
 from keras_mirror_kit.data.sharding import WorkerSlice, fill_batch, own_range
 from keras_mirror_kit.workarounds.tf_data_function_instantiation import host_functions
 
-__all__ = ["BATCH_DOMAIN", "SAMPLE_DOMAIN", "apply_keyed", "load_batches", "slot_count"]
+__all__ = [
+    "BATCH_DOMAIN",
+    "SAMPLE_DOMAIN",
+    "apply_keyed",
+    "load_batches",
+    "map_keyed",
+    "slot_count",
+]
 
 # Keys of a batch's and of a sample's random draws are folded from (seed, epoch) with
 # different first values, so that they never coincide.
@@ -49,6 +56,24 @@ def apply_keyed(function: Callable[..., Any], value: Any, key: tf.Tensor) -> Any
         if takes_seed(function):
             return function(value, seed=key)
         return function(value)
+
+
+def map_keyed(
+    dataset: tf.data.Dataset,
+    function: Callable[..., Any],
+    graphs: list[tf.Graph],
+    num_parallel_calls: int,
+) -> tf.data.Dataset:
+    """`dataset` of `(features, key, *labels)` mapped to `(function(features), *labels)` by
+    `apply_keyed`, in a deterministic parallel map of its own (a user's function: built
+    multi-device); each traced graph is appended to `graphs` (`check_deterministic`)."""
+
+    def preprocess_batch(features: Any, key: tf.Tensor, *labels: Any) -> Any:
+        graphs.append(tf.compat.v1.get_default_graph())
+        features = apply_keyed(function, features, key)
+        return (features, *labels) if labels else features
+
+    return dataset.map(preprocess_batch, num_parallel_calls=num_parallel_calls, deterministic=True)
 
 
 def _own_count(size: int, part: WorkerSlice | None) -> int:
