@@ -180,6 +180,12 @@ def _register_with_keras() -> None:
             logging.getLogger("keras_mirror_kit").debug(
                 "keras-mirror-kit: could not register %s with Keras: %r", module_name, err
             )
+    try:  # a Keras or TensorFlow outside the tested ranges is named once, here
+        from keras_mirror_kit.upstream import versions
+
+        versions.notice_untested("import")
+    except Exception as err:  # never break the user's `import keras`
+        logging.getLogger("keras_mirror_kit").debug("keras-mirror-kit: %r", err)
 
 
 class _RegisterAfterKerasImport(importlib.abc.MetaPathFinder):

@@ -36,6 +36,7 @@ from keras_mirror_kit.precision import (
 )
 from keras_mirror_kit.scaling import DEFAULT_RULE, validate_rule
 from keras_mirror_kit.scaling import per_replica_batch_size as split_global_batch
+from keras_mirror_kit.upstream import versions
 from keras_mirror_kit.validation import check_bool, positive_int
 from keras_mirror_kit.with_block import block, factory_running
 
@@ -166,6 +167,7 @@ class distributed(AbstractContextManager[Distribution]):  # noqa: N801  (reads l
         gradient_accumulation_steps: int = 1,
     ) -> None:
         backend = backends.current()  # RuntimeError on a backend the kit cannot distribute on
+        versions.notice_untested("distributed()")  # once per version set
         if per_replica_batch_size is None and global_batch_size is None:
             raise ValueError(
                 "distributed() needs a batch size: pass `per_replica_batch_size` (samples "

@@ -38,9 +38,10 @@ def _keras_parameters(method: str) -> dict[str, inspect.Parameter]:
     """Keras' `<method>` parameters after `self`, in order: its `Trainer`'s, which stay what
     they are when `keras.Model.<method>` itself is wrapped (the kit's `fit_hooks`, a test's
     recorder taking `*args, **kwargs`)."""
-    from keras.src.trainers.trainer import Trainer
+    from keras_mirror_kit.upstream import keras_private
 
-    parameters = list(inspect.signature(getattr(Trainer, method)).parameters.values())
+    trainer = keras_private.base_trainer()
+    parameters = list(inspect.signature(getattr(trainer, method)).parameters.values())
     return {p.name: p for p in parameters[1:] if p.kind in (*_POSITIONAL, *_NAMED)}
 
 

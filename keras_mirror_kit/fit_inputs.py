@@ -115,11 +115,9 @@ class BatchPlan:
 
 def _keras_can_convert_arrays() -> Any:
     """Keras' own test for the data its `ArrayDataAdapter` batches with `batch_size`."""
-    try:
-        from keras.src.trainers.data_adapters.array_data_adapter import can_convert_arrays
-    except ImportError:  # another Keras layout: fall back to NumPy arrays and tensors
-        return None
-    return can_convert_arrays
+    from keras_mirror_kit.upstream import keras_private
+
+    return keras_private.can_convert_arrays()  # None: fall back to NumPy arrays and tensors
 
 
 def is_array_data(x: Any) -> bool:

@@ -23,6 +23,7 @@ from keras_mirror_kit.distribution import Distribution, activate, known_replica_
 from keras_mirror_kit.model_record import distribution_of, record_of
 from keras_mirror_kit.model_setup import ModelOptions, prepare_model
 from keras_mirror_kit.precision import policy_scope
+from keras_mirror_kit.upstream import keras_private
 
 __all__ = ["block", "check_callback_model", "factory_running"]
 
@@ -50,21 +51,25 @@ def factory_running() -> Iterator[None]:
 
 
 def _install_compile_hook() -> bool:
-    """Wraps Keras' `Trainer.compile` once; False (with a warning) if it is not there."""
+    """Wraps Keras' trainer base class's `compile` once.
+
+    Raises `RuntimeError`, as the block is entered, when this Keras has no trainer base
+    class the kit knows (models compiled in the block would get none of the kit's
+    preparation: never silently)."""
     global _hook_installed
     with _hook_lock:
         if _hook_installed:
             return True
         try:  # The base class, not keras.Model: Keras compares the two on `load_model`.
-            from keras.src.trainers.trainer import Trainer
-        except ImportError:
-            logger.warning(
-                "keras-mirror-kit: Keras %s has no keras.src.trainers.trainer.Trainer, so "
-                "models compiled inside `with kmk.distributed(...)` are not checked; use the "
-                "decorator form",
-                keras.__version__,
-            )
-            return False
+            Trainer = keras_private.base_trainer()  # noqa: N806
+        except ImportError as err:
+            raise RuntimeError(
+                f"keras-mirror-kit: Keras {keras.__version__} has no trainer base class the "
+                "kit knows, so models compiled inside `with kmk.distributed(...)` could not "
+                "be prepared for the replicas. Use the decorator form (@kmk.distributed on "
+                "the function that builds and compiles the model), or a Keras the kit was "
+                f"tested on (docs/support.md). Received: keras=={keras.__version__} ({err})"
+            ) from err
         original = Trainer.compile
 
         @functools.wraps(original)

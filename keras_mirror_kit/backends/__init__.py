@@ -74,10 +74,20 @@ def check_supported() -> str:
     """The backend's name, or a `RuntimeError` saying how to choose a supported one."""
     backend = name()
     if backend not in SUPPORTED:
+        from keras_mirror_kit.upstream import versions
+
+        if backend == "torch" and versions.keras_version_in(((3, 16, 0), (4, 0, 0))):
+            why = (
+                f"Keras {versions.keras_version()} has a data-parallel API for torch "
+                "(keras.distribution on the torch backend), which the kit does not support "
+                "yet"
+            )
+        else:
+            why = f"Keras 3 has no data-parallel API for the {backend!r} backend"
         raise RuntimeError(
             "keras-mirror-kit distributes training on Keras' TensorFlow backend "
-            "(tf.distribute) and its JAX backend (keras.distribution.DataParallel); Keras "
-            f"3 has no data-parallel API for the {backend!r} backend. Select one before Keras "
+            "(tf.distribute) and its JAX backend (keras.distribution.DataParallel); "
+            f"{why}. Select one before Keras "
             "is imported: set the environment variable KERAS_BACKEND=tensorflow (or jax), or "
             '"backend": "tensorflow" in ~/.keras/keras.json. '
             f"Received: keras.backend.backend()={backend!r}"

@@ -111,9 +111,9 @@ class Engine:
 
 
 def _distribution_class() -> type:
-    from keras.src.distribution.distribution_lib import Distribution
+    from keras_mirror_kit.upstream import keras_private
 
-    return Distribution
+    return keras_private.distribution_class()
 
 
 class _OneDevice:

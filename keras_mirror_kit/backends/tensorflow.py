@@ -255,6 +255,7 @@ def call(model: Any, engine: Engine, method: str, arguments: dict[str, Any]) -> 
     keras_pydataset_epochs.own(arguments.get("x"), whole if method == "fit" else None)
     if engine.num_replicas > 1:  # batches copied: TensorFlow may write into them there
         for name in ("x", "validation_data"):
+            keras_uneven_first_batch.require(arguments.get(name), method)  # where refused
             tf_generator_buffers.own(arguments.get(name))
     try:
         with tensorflow_preprocess.applied(model, method, arguments):

@@ -13,6 +13,8 @@ import logging
 import threading
 from typing import Any
 
+from keras_mirror_kit.upstream import tensorflow_private
+
 __all__ = ["StopAgreement"]
 
 logger = logging.getLogger("keras_mirror_kit")
@@ -26,12 +28,10 @@ class StopAgreement:
     """The step the workers stop at, agreed through TensorFlow's coordination service."""
 
     def __init__(self, strategy: Any, wake: Any) -> None:
-        from tensorflow.python.distribute import multi_worker_util
-        from tensorflow.python.eager import context
-
+        multi_worker_util = tensorflow_private.multi_worker_util()
         resolver = strategy.cluster_resolver
         spec = resolver.cluster_spec()
-        self._context = context.context()
+        self._context = tensorflow_private.eager_context()
         self.rank = multi_worker_util.id_in_cluster(spec, resolver.task_type, resolver.task_id)
         self.workers = multi_worker_util.worker_count(spec, resolver.task_type)
         _serial[0] += 1
@@ -45,11 +45,11 @@ class StopAgreement:
 
     def _set(self, key: str, value: str) -> bool:
         """Sets a key once; False when it was set already (by another worker)."""
-        from tensorflow.python.framework import errors
+        import tensorflow as tf
 
         try:
             self._context.set_config_key_value(f"{self._prefix}/{key}", value)
-        except errors.AlreadyExistsError:
+        except tf.errors.AlreadyExistsError:
             return False
         return True
 

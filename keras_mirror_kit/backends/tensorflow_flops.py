@@ -46,6 +46,7 @@ import keras
 import tensorflow as tf
 
 from keras_mirror_kit.backends.flop_count import FlopCount, compiled_loss, label_layout
+from keras_mirror_kit.upstream import tensorflow_private
 
 __all__ = ["count_training_flops", "model_input_specs"]
 
@@ -224,11 +225,7 @@ def _trace_forward(model: keras.Model, x_specs: list[tf.TensorSpec]) -> Any:
 
 def _graph_flops(concrete: Any, uncounted: set[str]) -> dict[str, float]:
     """FLOPs by op type of the ops the concrete function's outputs depend on."""
-    from tensorflow.python.framework import ops as tf_ops  # the FLOP statistics' registry
-    from tensorflow.python.profiler.internal import flops_registry  # registers them
-    from tensorflow.python.util import deprecation  # their shape helper warns once
-
-    del flops_registry
+    tf_ops = tensorflow_private.flop_statistics()  # the registry, FLOP statistics registered
     graph = concrete.graph
     stack = [t.op for t in concrete.outputs]
     seen: set[Any] = set()
@@ -244,7 +241,7 @@ def _graph_flops(concrete: Any, uncounted: set[str]) -> dict[str, float]:
         flops = _own_flops(op)
         if flops is None:
             try:
-                with deprecation.silence():
+                with tensorflow_private.silenced_deprecations():  # their shape helper warns once
                     stats = tf_ops.get_stats_for_node_def(graph, op.node_def, "flops")
             except (ValueError, TypeError):
                 stats = None

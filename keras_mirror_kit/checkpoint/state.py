@@ -28,6 +28,7 @@ from keras_mirror_kit import backends
 from keras_mirror_kit.checkpoint.store import CheckpointError, LoadedCheckpoint
 from keras_mirror_kit.model_parts import metrics_of, optimizers_of, untracked_variables
 from keras_mirror_kit.model_record import engine_of
+from keras_mirror_kit.upstream import keras_private
 
 __all__ = [
     "Pairing",
@@ -159,7 +160,7 @@ def global_seed_variable() -> Any:
     """Keras' global seed generator's state variable, or None when it was never created or
     its private module moved (logged once at DEBUG)."""
     try:  # private Keras: a layout change must only lose this part of the state
-        from keras.src.backend.common import global_state
+        global_state = keras_private.global_state()
     except ImportError as err:
         _skip_global_random(err)
         return None
@@ -201,11 +202,11 @@ def apply_state(model: Any, loaded: LoadedCheckpoint, directory: str | os.PathLi
     _log_learning_rate_change(named, keys, loaded)
     if "random/global" in loaded.arrays:
         try:
-            from keras.src.random.seed_generator import global_seed_generator
+            global_seed = keras_private.global_seed_generator()
         except ImportError as err:
             _skip_global_random(err)
         else:
-            state = global_seed_generator().state
+            state = global_seed.state
             saved = tuple(loaded.shapes.get("random/global", ()))
             if saved != tuple(state.shape):  # checked before anything is assigned
                 raise CheckpointError(
@@ -383,7 +384,7 @@ class Pairing(NamedTuple):
 
 
 def _snake_case(name: str) -> str:
-    """Keras' `to_snake_case` (keras.src.utils.naming), which auto-names derive from."""
+    """Keras' `to_snake_case` (Keras' utils.naming), which auto-names derive from."""
     name = re.sub(r"\W+", "", name)
     name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
     name = re.sub("([a-z])([A-Z])", r"\1_\2", name)

@@ -33,6 +33,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_mirror_kit.upstream import keras_private
+
 __all__ = [
     "FLIP_MODES",
     "STATEFUL_RANDOM_OPS",
@@ -114,11 +116,10 @@ def _install() -> None:
     with _install_lock:
         if _installed:
             return
-        from keras.src.random.seed_generator import SeedGenerator, global_seed_generator
-
+        SeedGenerator = keras_private.seed_generator_class()  # noqa: N806
         # Unseeded draws use Keras' global generator: create it eagerly, not in a trace.
         with tf.init_scope():
-            global_seed_generator()
+            keras_private.global_seed_generator()
         original = SeedGenerator.next
 
         def next_seed(self: Any, ordered: bool = True) -> Any:
@@ -374,8 +375,8 @@ def resize_like_keras(
     """What Keras' `_load_image_tf` does to a decoded image: its resize, verbatim, except
     that a bilinear one starts from float32 (the same values; about 30% faster)."""
     if crop_to_aspect_ratio:
-        from keras.src.backend import tensorflow as tf_backend
-        from keras.src.utils import image_utils
+        tf_backend = keras_private.tensorflow_backend()
+        image_utils = keras_private.image_utils()
 
         if data_format == "channels_first":
             image = tf.transpose(image, (2, 0, 1))

@@ -52,6 +52,7 @@ from keras_mirror_kit.data.preprocess import Then, then
 from keras_mirror_kit.data.samples import BATCH_DOMAIN, map_keyed
 from keras_mirror_kit.data.sharding import fill_batch, own_range, record_part, worker_slice
 from keras_mirror_kit.data.sources import index_batches, to_tensors
+from keras_mirror_kit.upstream import keras_private
 from keras_mirror_kit.validation import check_bool, positive_int
 from keras_mirror_kit.workarounds.tf_data_function_instantiation import host_functions
 
@@ -185,9 +186,7 @@ def _folder_dataset(
 
 def _is_remote(path: str) -> bool:
     """Keras' test of a remote path (gs://, hdfs://, ...): no links, read through gfile."""
-    from keras.src.utils.file_utils import is_remote_path
-
-    return bool(is_remote_path(path))
+    return keras_private.is_remote_path(path)
 
 
 def _check_common(
@@ -241,8 +240,7 @@ def _index(
     what: str,
 ) -> tuple[list[tuple[list[str], Any]], list[str] | None, int | None]:
     """Keras' indexing and split: `[(paths, labels)]` per subset, class names, and the seed."""
-    from keras.src.utils import dataset_utils
-
+    dataset_utils = keras_private.dataset_utils()
     dataset_utils.check_validation_split_arg(validation_split, subset, shuffle, seed)
     if seed is None and shuffle and multi_worker_expected():
         raise ValueError(
@@ -515,10 +513,8 @@ def image_dataset_from_directory(
         )
     if max_image_pixels is not None:
         max_image_pixels = positive_int("max_image_pixels", max_image_pixels)
-    from keras.src.backend.config import standardize_data_format
-    from keras.src.utils.image_dataset_utils import _load_image_tf
-
-    data_format = standardize_data_format(data_format)
+    _load_image_tf = keras_private.load_image()
+    data_format = keras_private.standardize_data_format(data_format)
     _check_subset_options(subset, augment, drop_remainder, preprocess_on)
     parts, names, seed = _index(
         directory,
@@ -649,8 +645,7 @@ def text_dataset_from_directory(
     labels, label_mode = _check_common(
         labels, label_mode, class_names, batch_size, format, "text_dataset_from_directory"
     )
-    from keras.src.utils.text_dataset_utils import _path_to_string_content_tf
-
+    _path_to_string_content_tf = keras_private.path_to_string_content()
     _check_subset_options(subset, augment, drop_remainder, preprocess_on)
     parts, names, seed = _index(
         directory,

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from keras_mirror_kit.multi_worker import READY_FILE_ENV
 from keras_mirror_kit.multi_worker.exposure import warn_exposed_servers
 from keras_mirror_kit.multi_worker.gpus import GPU_ENV, visible_gpus
+from keras_mirror_kit.upstream import tensorflow_private
 from keras_mirror_kit.validation import non_negative_number
 
 if TYPE_CHECKING:  # imported where a strategy is made: parsing TF_CONFIG needs no TensorFlow
@@ -340,8 +341,7 @@ def slurm_cluster_resolver(environ: Mapping[str, str] | None = None) -> Any:
             f"{', '.join(missing) or 'SLURM_STEP_NUM_TASKS'} is missing or invalid. "
             f"Received: {', '.join(f'{n}={environ.get(n)!r}' for n in _SLURM_STEP_VARS)}"
         )
-    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm
-
+    slurm = tensorflow_private.slurm_cluster_resolver()
     per_node = slurm.expand_tasks_per_node(environ["SLURM_STEP_TASKS_PER_NODE"])
     max_tasks = max(per_node)
     port_base = _slurm_port_base(environ)
@@ -363,7 +363,7 @@ def _slurm_task_resolver(gpus: int, max_tasks_per_node: int, port_base: int) -> 
     without a GPU; here every task counts one GPU for that placement and reports its own
     number of GPUs to the strategy. `CUDA_VISIBLE_DEVICES` is not changed.
     """
-    from tensorflow.python.distribute.cluster_resolver import slurm_cluster_resolver as slurm
+    slurm = tensorflow_private.slurm_cluster_resolver()
 
     class SlurmTaskResolver(slurm.SlurmClusterResolver):
         def __init__(self) -> None:

@@ -98,24 +98,15 @@ def is_applied(model: Any) -> bool:
     return record_of(model) is not None
 
 
-def _refuse_untested(model: Any, replicas: int) -> None:
-    low, high = (".".join(map(str, v)) for v in keras_own_step_losses.TESTED_KERAS)
-    raise ValueError(
-        f"{type(model).__name__} writes its own train_step, which the kit makes train on "
-        f"{replicas} replicas as on one device on Keras {low} <= version < {high} only "
-        f"(keras_mirror_kit.workarounds.keras_own_step_losses). Train it on one device "
-        "(kmk.distributed(..., devices=['/gpu:0'])) or use a Keras version in that range. "
-        f"Received: keras.__version__={keras.__version__!r}, replicas={replicas}"
-    )
-
-
 def _prepare_fit(model: Any, record: OwnStepRecord, probe: bool) -> None:
     """At each fit (`probe`) or evaluate: the model's optimizers and metrics get the rule;
     the probe runs once, at a fit."""
     strategy = record.strategy
     replicas = int(strategy.num_replicas_in_sync)
     if replicas > 1 and not keras_own_step_losses.install():
-        _refuse_untested(model, replicas)
+        keras_own_step_losses.require(
+            f"{type(model).__name__}'s own train_step on {replicas} replicas"
+        )
     random_draws.install()
     for optimizer in optimizers_of(model):
         own_optimizers.weigh(optimizer)

@@ -31,6 +31,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_mirror_kit.own_steps.context import StepContext, current
+from keras_mirror_kit.upstream import keras_private
 
 __all__ = ["install"]
 
@@ -124,9 +125,10 @@ def _outside_steps(original: Callable[..., Any], inside: Callable[..., Any]) -> 
 def _keras_draws() -> dict[str, Callable[..., Any]]:
     """Keras' TensorFlow draws, each taking its seed once and drawing through `_consistent`
     (called inside own steps only: `_outside_steps`)."""
-    from keras.src.backend.config import floatx
-    from keras.src.backend.tensorflow import random as keras_random
-    from keras.src.random.seed_generator import draw_seed
+    from keras.config import floatx
+
+    keras_random = keras_private.tensorflow_random()
+    draw_seed = keras_private.draw_seed
 
     def take_seed(seed: Any) -> Any:
         step = current()
@@ -219,7 +221,7 @@ def _keras_draws() -> dict[str, Callable[..., Any]]:
 
 def _tensorflow_draw(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     """`tf.random.<name>` drawing from Keras' global seed generator inside an own step."""
-    from keras.src.backend.tensorflow import random as keras_random
+    keras_random = keras_private.tensorflow_random()
 
     @functools.wraps(original)
     def draw(shape: Any, *args: Any, **kwargs: Any) -> Any:
@@ -248,8 +250,7 @@ def install() -> None:
     with _install_lock:
         if _installed:
             return
-        from keras.src.backend.tensorflow import random as keras_random
-
+        keras_random = keras_private.tensorflow_random()
         for name, function in _keras_draws().items():
             setattr(keras_random, name, _outside_steps(getattr(keras_random, name), function))
         for name in ("normal", "uniform", "truncated_normal"):

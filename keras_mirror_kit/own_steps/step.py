@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from keras_mirror_kit.own_steps.context import StepContext, stepping
 from keras_mirror_kit.own_steps.metrics import StepMetrics
+from keras_mirror_kit.upstream import keras_private
 from keras_mirror_kit.workarounds import rows_of
 from keras_mirror_kit.workarounds.keras_own_step_losses import one_device_losses
 from keras_mirror_kit.workarounds.keras_replica_shares import EMPTY_PART
@@ -54,7 +55,7 @@ def wrap(original: Any, *, training: bool, probe_of: Any, seed_generator: Any) -
     `probe_of()` returns the probe under way (`own_steps.probe`) or None; `seed_generator`
     draws the step's unseeded random numbers (`own_steps.random_draws`).
     """
-    from keras.src.trainers.data_adapters import data_adapter_utils
+    data_adapter_utils = keras_private.data_adapter_utils()
 
     @functools.wraps(original)
     def own_step(data: Any) -> Any:

@@ -86,16 +86,22 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
 from __future__ import annotations
 
 import contextlib
-import re
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
+
+from keras_mirror_kit.upstream import versions
+from keras_mirror_kit.upstream.versions import keras_version_in, parse_version, version_in
+
+logger = logging.getLogger("keras_mirror_kit")
 
 __all__ = [
     "KerasPatch",
     "Owned",
     "ThreadBlock",
+    "Verdict",
     "inner_optimizer",
     "even_rows",
     "keras_version_in",
@@ -106,76 +112,159 @@ __all__ = [
 ]
 
 
-def parse_version(text: str) -> tuple[int, int, int]:
-    """The first three numbers of a version, zero-filled: `"2.21.0rc1"` -> `(2, 21, 0)`."""
-    numbers = [int(part) for part in re.findall(r"\d+", text)[:3]]
-    return tuple((numbers + [0, 0, 0])[:3])  # type: ignore[return-value]
+class Verdict(NamedTuple):
+    """What a workaround's canary decided on the installed Keras.
 
-
-def version_in(version: str | tuple[int, ...], bounds: tuple[tuple[int, ...], ...]) -> bool:
-    """Whether `version` (text or numbers) is in `low <= v < high`, all zero-filled to three."""
-    numbers = parse_version(version) if isinstance(version, str) else tuple(version)
-    low, high = ((*b, 0, 0, 0)[:3] for b in bounds)
-    return low <= (*numbers, 0, 0, 0)[:3] < high
-
-
-def keras_version_in(
-    tested: tuple[tuple[int, int, int], tuple[int, int, int]], keras_version: str | None = None
-) -> bool:
-    """Whether a Keras version (default: the installed one) is in a tested range `low <= v < high`.
-
-    `tested` is a module's `TESTED_KERAS`; without `keras_version`, Keras must be importable.
+    `state` is `"applied"` (its bug is there and what it patches has the shape it expects),
+    `"retired"` (the bug is fixed upstream: Keras' own code runs) or `"refused"` (it cannot
+    tell, or what it patches changed: the feature it protects is refused before any step);
+    `reason` says what the canary saw.
     """
-    if keras_version is None:
-        import keras
 
-        keras_version = keras.__version__
-    return version_in(keras_version, tested)
+    state: str
+    reason: str
 
 
 class KerasPatch:
-    """A module's patches of Keras, applied once, and only to a Keras version it was tested on.
+    """A workaround's patches of Keras, applied once after its canary, never skipped silently.
 
-    `apply(patch)` runs `patch` the first time (thread-safe) when `keras_version_in(tested)`,
-    and returns whether the patches are in place, then and at every later call.
+    `apply(patch)` decides once (thread-safe) from the canary: `target()` returns None when
+    what the module patches has the shape it expects (else what differs), `bug()` returns
+    whether Keras still has the bug (None: cannot tell). On a Keras inside `tested`, or
+    wherever the canary sees the bug and the expected shape, `patch` runs ("applied"); where
+    the bug is fixed upstream the workaround retires itself, said once at INFO ("retired");
+    otherwise nothing is patched and `require` refuses the protected feature, said once at
+    WARNING ("refused").
 
     Args:
         tested: The module's `TESTED_KERAS`, `(low, high)`: `low <= version < high`.
+        name: The workaround module's short name, for messages.
+        feature: What it protects, for messages ("generators and PyDatasets on several
+            replicas").
+        instead: What the user can write instead when it is refused.
+        target: Returns None when the patch target has the expected shape, else a text.
+        bug: Returns whether the bug is still in Keras (None: cannot tell).
 
     Example:
 
     ```python
-    _PATCH = KerasPatch(TESTED_KERAS)
+    _PATCH = KerasPatch(TESTED_KERAS, name="tf_generator_buffers", feature="generators",
+                        instead="pass a tf.data.Dataset", target=_target, bug=_bug)
 
     def install() -> bool:
         return _PATCH.apply(_patch)  # _patch() replaces what it wraps in Keras
+
+    _PATCH.require("fit() on a generator")  # ValueError where refused
     ```
     """
 
-    def __init__(self, tested: tuple[tuple[int, int, int], tuple[int, int, int]]) -> None:
+    def __init__(
+        self,
+        tested: tuple[tuple[int, int, int], tuple[int, int, int]],
+        *,
+        name: str = "workaround",
+        feature: str = "this feature",
+        instead: str = "use a Keras version the kit was tested on",
+        target: Callable[[], str | None] | None = None,
+        bug: Callable[[], bool | None] | None = None,
+    ) -> None:
         self.tested = tested
+        self.name, self.feature, self.instead = name, feature, instead
+        self._target, self._bug = target, bug
         self._lock = threading.Lock()
-        self._applied: bool | None = None
+        self._verdict: Verdict | None = None
+        self._keras: str | None = None
+
+    def _decide(self, version: str) -> Verdict:
+        """The canary's verdict for Keras `version` (nothing patched)."""
+        try:
+            differs = self._target() if self._target is not None else None
+        except (ImportError, AttributeError, TypeError, ValueError) as err:
+            differs = str(err)
+        try:
+            present = self._bug() if self._bug is not None else True
+        except (ImportError, AttributeError, TypeError, ValueError, OSError):
+            present = None
+        if present is False:
+            return Verdict("retired", f"Keras {version} no longer has the bug")
+        if differs:
+            return Verdict("refused", f"what it patches changed on Keras {version}: {differs}")
+        if present is True or keras_version_in(self.tested, version):
+            return Verdict("applied", "bug present, patch target as expected")
+        return Verdict("refused", f"it cannot tell whether Keras {version} still has the bug")
+
+    def verdict(self) -> Verdict:
+        """The canary's verdict on the installed Keras (decided once, without patching)."""
+        version = versions.keras_version()
+        with self._lock:
+            if self._verdict is None or self._keras != version:
+                self._verdict, self._keras = self._decide(version), version
+            return self._verdict
 
     def apply(self, patch: Callable[[], None]) -> bool:
-        """Runs `patch` once where Keras is a tested version.
+        """Runs `patch` once where the canary says so.
 
         Args:
             patch: Applies the module's patches (called at most once).
 
         Returns:
-            Whether the patches are in place (False: Keras is outside `tested`).
+            Whether the patches are in place (False: retired or refused, logged once).
 
         Raises:
             Exception: What `patch` raised (it runs again at the next call).
         """
+        verdict = self.verdict()
         with self._lock:
-            if self._applied is None:
-                tested = keras_version_in(self.tested)
-                if tested:
-                    patch()
-                self._applied = tested
-            return self._applied
+            if getattr(self, "_patched", False):
+                return True
+            if verdict.state == "applied":
+                patch()
+                self._patched = True
+                if not keras_version_in(self.tested):
+                    logger.info(
+                        "keras-mirror-kit: %s applied on Keras %s, outside the versions it "
+                        "was tested on, after its self-check (%s)",
+                        self.name,
+                        self._keras,
+                        verdict.reason,
+                    )
+                return True
+            if not getattr(self, "_said", False):
+                self._said = True
+                if verdict.state == "retired":
+                    logger.info(
+                        "keras-mirror-kit: %s retires itself: %s",
+                        self.name,
+                        verdict.reason,
+                    )
+                else:
+                    logger.warning(
+                        "keras-mirror-kit: %s cannot protect %s (%s); the kit refuses it "
+                        "before any step",
+                        self.name,
+                        self.feature,
+                        verdict.reason,
+                    )
+            return False
+
+    def require(self, what: str) -> None:
+        """Refuses `what` (a use of the protected feature) where the workaround is refused.
+
+        Args:
+            what: The use, as the message's subject ("fit() on a Python generator").
+
+        Raises:
+            ValueError: When the canary refused the workaround on this Keras.
+        """
+        verdict = self.verdict()
+        if verdict.state != "refused":
+            return
+        raise ValueError(
+            f"keras-mirror-kit: {what} needs the kit's workaround {self.name} ({self.feature}), "
+            f"which refuses this Keras: {verdict.reason}. The kit was tested on "
+            f"{versions.TESTED_KERAS_TEXT}. Instead: {self.instead}. "
+            f"Received: keras=={self._keras}"
+        )
 
 
 class ThreadBlock:
@@ -275,9 +364,9 @@ def inner_optimizer(optimizer: Any) -> Any:
 
 def tf_optimizer_class() -> Any:
     """Keras' TensorFlow optimizer base class (`TFOptimizer`), whose source the canaries read."""
-    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras_mirror_kit.upstream import keras_private
 
-    return TFOptimizer
+    return keras_private.tf_optimizer()
 
 
 def rows_of(structure: Any) -> Any:

@@ -62,6 +62,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_mirror_kit.upstream import keras_private, tensorflow_private
 from keras_mirror_kit.workarounds import inner_optimizer, keras_version_in
 
 __all__ = ["TESTED_KERAS", "UPSTREAM", "accumulating_optimizer", "apply", "is_fixed", "status"]
@@ -88,7 +89,7 @@ def status(keras_version: str | None = None) -> str:
     if keras_version_in(TESTED_KERAS, keras_version):
         return "tested"
     try:
-        from keras.src.backend.tensorflow.optimizer import TFOptimizer
+        TFOptimizer = keras_private.tf_optimizer()  # noqa: N806
     except ImportError:
         return "refused"
     return "fixed-upstream" if "_backend_apply_gradients" in vars(TFOptimizer) else "refused"
@@ -171,7 +172,7 @@ def _install(optimizer: Any) -> None:
         context = tf.distribute.get_replica_context()
         if not tf.distribute.has_strategy() or context is None:
             return original(grads, trainable_variables)
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        if tensorflow_private.strategy_supports_no_merge_call():
             raise _xla_refusal(steps)
         variables = [getattr(v, "value", v) for v in trainable_variables]
         accumulators = [

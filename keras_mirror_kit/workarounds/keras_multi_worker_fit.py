@@ -56,6 +56,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_mirror_kit.upstream import keras_private
 from keras_mirror_kit.workarounds import keras_version_in
 from keras_mirror_kit.workarounds.keras_uneven_first_batch import (
     SYMBOLIC_BUILD_BUG,
@@ -97,9 +98,7 @@ class KerasWorkaroundWarning(UserWarning):
 
 
 def _trainer_module() -> Any:
-    from keras.src.backend.tensorflow import trainer
-
-    return trainer
+    return keras_private.tensorflow_trainer_module()
 
 
 def is_multi_worker(strategy: Any) -> bool:
@@ -142,7 +141,7 @@ def _original(name: str, trainer: Any) -> Any:
     if name in _originals:
         return _originals[name]
     if name == "_maybe_symbolic_build":
-        return trainer.TensorFlowTrainer._maybe_symbolic_build
+        return keras_private.tensorflow_trainer()._maybe_symbolic_build
     return getattr(trainer, name)
 
 
@@ -163,7 +162,7 @@ def is_applied() -> bool:
         trainer = _trainer_module()
         return (
             trainer.reduce_per_replica in _INSTALLED
-            and trainer.TensorFlowTrainer._maybe_symbolic_build in _INSTALLED
+            and keras_private.tensorflow_trainer()._maybe_symbolic_build in _INSTALLED
         )
     except (ImportError, AttributeError):
         return False
@@ -234,7 +233,7 @@ def _unavailable(err: BaseException) -> bool:
     """Warns that this Keras lacks what the workaround wraps; returns False (not installed)."""
     message = (
         f"keras-mirror-kit: this Keras ({keras.__version__}) has no "
-        "keras.src.backend.tensorflow.trainer.TensorFlowTrainer._maybe_symbolic_build or "
+        "TensorFlow trainer's _maybe_symbolic_build or "
         f"reduce_per_replica ({err}), so the multi-worker model.fit workaround "
         f"({' and '.join(UPSTREAM_ISSUES)}) was not installed; if fit fails with more than "
         "one worker, use a Keras version in TESTED_KERAS"
@@ -246,7 +245,7 @@ def _unavailable(err: BaseException) -> bool:
 
 def _install() -> None:
     trainer = _trainer_module()
-    original_build = trainer.TensorFlowTrainer._maybe_symbolic_build
+    original_build = keras_private.tensorflow_trainer()._maybe_symbolic_build
     original_reduce = trainer.reduce_per_replica
     _originals.setdefault("_maybe_symbolic_build", original_build)
     _originals.setdefault("reduce_per_replica", original_reduce)
@@ -258,9 +257,8 @@ def _install() -> None:
             return original_build(self, iterator=iterator, data_batch=data_batch)
         # As Keras does: the first batch of the first epoch's iterator. Then build from the
         # first local replica's part instead of a collective "mean" of the batch.
-        for _, _, it in iterator:
-            data_batch = first_local_part(next(it), strategy)
-            break
+        it = keras_private.first_step_iterator(iterator)
+        data_batch = first_local_part(next(it), strategy)
         return original_build(self, iterator=None, data_batch=data_batch)
 
     @functools.wraps(original_reduce)
@@ -276,7 +274,7 @@ def _install() -> None:
         return tf.nest.map_structure(mean_over_all_replicas, values)
 
     _INSTALLED[:] = [_maybe_symbolic_build, reduce_per_replica]
-    trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    keras_private.tensorflow_trainer()._maybe_symbolic_build = _maybe_symbolic_build
     trainer.reduce_per_replica = reduce_per_replica
 
 
@@ -285,7 +283,7 @@ def _uninstall() -> None:
     with _lock:
         trainer = _trainer_module()
         if "_maybe_symbolic_build" in _originals:
-            trainer.TensorFlowTrainer._maybe_symbolic_build = _originals.pop(
+            keras_private.tensorflow_trainer()._maybe_symbolic_build = _originals.pop(
                 "_maybe_symbolic_build"
             )
         if "reduce_per_replica" in _originals:

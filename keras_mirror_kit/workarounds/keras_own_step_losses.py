@@ -3,7 +3,7 @@
 Upstream: the 1/num_replicas loss scaling of keras-team/keras#20609 (open against Keras
 3.15). Under a `tf.distribute` strategy Keras divides the value of every `Loss` object, of
 `compute_loss` and of the `add_loss` terms by the number of replicas
-(`keras.src.losses.loss.scale_loss_for_distribution`), and its TensorFlow optimizer sums the
+(Keras' `losses.loss.scale_loss_for_distribution`), and its TensorFlow optimizer sums the
 replicas' gradients. Keras' own `train_step` relies on that pair. A `train_step` a model
 writes itself gets the division only for the losses that go through Keras: a loss written
 as `ops.mean(...)` (keras-io's VAE) is not divided, so N replicas apply N times one
@@ -40,9 +40,18 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from keras_mirror_kit.upstream import keras_private
 from keras_mirror_kit.workarounds import KerasPatch, keras_version_in
 
-__all__ = ["TESTED_KERAS", "UPSTREAM", "install", "is_active", "one_device_losses", "status"]
+__all__ = [
+    "TESTED_KERAS",
+    "UPSTREAM",
+    "install",
+    "is_active",
+    "one_device_losses",
+    "require",
+    "status",
+]
 
 UPSTREAM = "keras-team/keras#20609"
 #: Keras versions the workaround was tested on: `low <= version < high`.
@@ -50,12 +59,33 @@ TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
 
 # `share()` of the step being traced in this thread: `(rows, total)` float32 tensors.
 _local = threading.local()
-_PATCH = KerasPatch(TESTED_KERAS)
+_SCALERS = ("scale_loss_for_distribution", "unscale_loss_for_distribution")
+
+
+def _target() -> str | None:
+    """None when Keras' `losses.loss` has the two scalers `_patch` wraps, else what differs."""
+    module = keras_private.loss_module()
+    missing = [name for name in _SCALERS if not callable(getattr(module, name, None))]
+    return f"Keras' losses.loss has no {', '.join(missing)}" if missing else None
+
+
+# The own-step rule (every loss one device's) is a feature as well as a workaround: the
+# patches stay where Keras stops scaling per replica, so the canary checks their target.
+_PATCH = KerasPatch(
+    TESTED_KERAS,
+    name="keras_own_step_losses",
+    feature="models that write their own train_step, on several replicas",
+    instead="train the model on one device (kmk.distributed(..., devices=['/gpu:0']))",
+    target=_target,
+)
 
 
 def status(keras_version: str | None = None) -> str:
-    """`"tested"` or `"refused"`: whether the kit trains own steps on several replicas here."""
-    return "tested" if keras_version_in(TESTED_KERAS, keras_version) else "refused"
+    """`"tested"` or `"refused"`: whether the kit trains own steps on several replicas here
+    (the installed Keras by its canary; another version by the tested range)."""
+    if keras_version is not None:
+        return "tested" if keras_version_in(TESTED_KERAS, keras_version) else "refused"
+    return "tested" if _PATCH.verdict().state == "applied" else "refused"
 
 
 def _share() -> Callable[[], tuple[Any, Any]] | None:
@@ -122,14 +152,20 @@ def _scale_regularization_loss(original: Callable[[Any], Any]) -> Callable[[Any]
     return scale_regularization_loss
 
 
+def require(what: str) -> None:
+    """`ValueError` for `what` where the canary refused the patches on this Keras."""
+    _PATCH.require(what)
+
+
 def install() -> bool:
-    """Installs the patches once (idempotent); False outside `TESTED_KERAS` (nothing done)."""
+    """Installs the patches once (idempotent); False where the canary refused them."""
     return _PATCH.apply(_patch)
 
 
 def _patch() -> None:
     import tensorflow as tf
-    from keras.src.losses import loss as loss_module
+
+    loss_module = keras_private.loss_module()
 
     for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
         setattr(loss_module, name, _unscaled(getattr(loss_module, name)))

@@ -31,9 +31,11 @@ itself.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from typing import Any
 
+from keras_mirror_kit.upstream import keras_private
 from keras_mirror_kit.workarounds import KerasPatch, Owned
 
 __all__ = ["TESTED_KERAS", "cursor_of", "install", "order_by", "own"]
@@ -44,12 +46,36 @@ TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
 _OWNED = Owned()  # the PyDatasets kit-built models read
 # The cursors (`data.py_dataset_cursor.PyDatasetCursor`) that order PyDatasets' epochs.
 _CURSORS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_PATCH = KerasPatch(TESTED_KERAS)
+_PATCHED = ("__init__", "on_epoch_begin", "_finite_generator", "_finite_enqueuer_generator")
+
+
+def _target() -> str | None:
+    """None when Keras' `PyDatasetAdapter` has what `_patch` wraps, else what differs."""
+    adapter = keras_private.py_dataset_adapter()
+    missing = [
+        n for n in (*_PATCHED, "_standardize_batch") if not callable(getattr(adapter, n, None))
+    ]
+    if missing:
+        return f"PyDatasetAdapter has no {', '.join(missing)}"
+    if "_within_epoch" not in inspect.getsource(adapter.on_epoch_begin):
+        return "PyDatasetAdapter.on_epoch_begin no longer tracks _within_epoch"
+    return None
+
+
+# The patches also read a PyDataset in its cursor's order (a feature), so they stay where
+# Keras fixes the stale generator's stop: the canary checks the shape of what they patch.
+_PATCH = KerasPatch(
+    TESTED_KERAS,
+    name="keras_pydataset_epochs",
+    feature="the epochs of a keras.utils.PyDataset (their order, and a mid-epoch resume)",
+    instead="pass a tf.data.Dataset (kmk.make_dataset) instead of a PyDataset",
+    target=_target,
+)
 
 
 def install() -> bool:
-    """Patches Keras' enqueuer generator once (inert for data not `own`ed); False when
-    Keras is outside `TESTED_KERAS` (nothing done)."""
+    """Patches Keras' enqueuer generator once (inert for data not `own`ed); False where its
+    canary refused it (nothing done, logged once)."""
     return _PATCH.apply(_patch)
 
 
@@ -68,7 +94,7 @@ class _InOrder:
 
 
 def _patch() -> None:
-    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+    PyDatasetAdapter = keras_private.py_dataset_adapter()  # noqa: N806
 
     original = PyDatasetAdapter._finite_enqueuer_generator  # noqa: SLF001
     original_generator = PyDatasetAdapter._finite_generator  # noqa: SLF001
@@ -110,7 +136,7 @@ def _patch() -> None:
         if self.py_dataset not in _OWNED:
             yield from original(self)
             return
-        self.enqueuer.start()
+        keras_private.start_enqueuer(self.enqueuer, getattr(self, "_epoch", 0))
         order = getattr(self, "_kit_order", None)
         num_batches = self.py_dataset.num_batches if order is None else len(order)
         for i, batch in enumerate(self.enqueuer.get()):
@@ -134,9 +160,10 @@ def cursor_of(x: Any) -> Any:
 
 def order_by(x: Any, cursor: Any) -> bool:
     """Makes the `fit`s of kit-built models read the `PyDataset` `x` in `cursor`'s order
-    (a `data.py_dataset_cursor.PyDatasetCursor`); False when Keras is not a tested version
-    (nothing done: Keras' order, and no mid-epoch resume)."""
+    (a `data.py_dataset_cursor.PyDatasetCursor`); `ValueError` where the canary refused the
+    patches (before any step)."""
     if not install():
+        _PATCH.require("resuming a keras.utils.PyDataset mid-epoch")
         return False
     _CURSORS[x] = cursor
     return True
@@ -150,7 +177,9 @@ def own(x: Any, training: bool | None = None) -> None:
     """
     import keras
 
-    if isinstance(x, keras.utils.PyDataset) and install():
+    if isinstance(x, keras.utils.PyDataset):
+        if not install():
+            _PATCH.require("training on a keras.utils.PyDataset")
         _OWNED.add(x)
         cursor = cursor_of(x)
         if cursor is not None and training is not None:

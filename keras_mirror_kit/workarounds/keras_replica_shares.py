@@ -57,7 +57,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit.workarounds import even_rows, keras_version_in, rows_of
+from keras_mirror_kit.upstream import keras_private
+from keras_mirror_kit.workarounds import KerasPatch, even_rows, rows_of
 
 __all__ = [
     "EMPTY_PART",
@@ -81,6 +82,56 @@ TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
 # The models `apply` ran on, and the steps it replaced on each.
 _APPLIED: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 _UNWEIGHTED = (None, "none", "sum")  # reductions whose per-replica values simply add up
+# What the steps call on the model (Keras' trainer and `Model` internals).
+_READ = (
+    "train_step",
+    "test_step",
+    "predict_step",
+    "compute_loss",
+    "compute_metrics",
+    "get_metrics_result",
+    "_compute_loss",
+    "_get_own_losses",
+    "_aggregate_additional_loss",
+    "_get_regularization_losses",
+)
+
+
+def _target() -> str | None:
+    """None when Keras' trainer has what the replaced steps call, else what differs."""
+    import inspect
+
+    trainer = keras_private.tensorflow_trainer()
+    missing = [name for name in _READ if not callable(getattr(keras.Model, name, None))]
+    if missing:
+        return f"keras.Model has no {', '.join(missing)}"
+    if "_loss_tracker" not in inspect.getsource(trainer.train_step):
+        return "the TensorFlow trainer's train_step no longer updates _loss_tracker"
+    return None
+
+
+def _bug() -> bool | None:
+    """Whether Keras still divides each replica's loss by the number of replicas."""
+    import inspect
+
+    source = inspect.getsource(keras_private.loss_module().scale_loss_for_distribution)
+    return "num_replicas" in source
+
+
+# Retired (Keras weighs the parts itself) or refused, the model keeps Keras' steps and
+# `trains_exactly` is False: a training batch that splits unevenly is refused before any
+# step (`fit_inputs.check_training_split`).
+_PATCH = KerasPatch(
+    TESTED_KERAS,
+    name="keras_replica_shares",
+    feature="batches that split unevenly over the replicas",
+    instead=(
+        "drop the last partial batch (kmk.make_dataset(..., drop_remainder=True), "
+        "Dataset.batch(..., drop_remainder=True))"
+    ),
+    target=_target,
+    bug=_bug,
+)
 
 
 def probe_empty_conv() -> bool:
@@ -108,8 +159,7 @@ def _replicated() -> tf.distribute.ReplicaContext | None:
 def _keras_step(model: Any, name: str) -> bool:
     """Whether the model keeps Keras' own `name` (a step, `compute_loss`, `compute_metrics`:
     not overridden by its class or instance)."""
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
+    TensorFlowTrainer = keras_private.tensorflow_trainer()  # noqa: N806
     if name in vars(model):
         return False  # set on the instance before the kit prepared the model
     return getattr(type(model), name, None) is getattr(TensorFlowTrainer, name)
@@ -187,9 +237,9 @@ class _SharedLoss:
         if reduction == "mean_with_sample_weight" and sample_weight is not None:
             weights = tf.cast(sample_weight, tf.float32)
             if mask is not None:  # as Keras merges them (`losses.loss.apply_mask`)
-                from keras.src.losses.loss import squeeze_or_expand_to_same_rank
-
-                valid, weights = squeeze_or_expand_to_same_rank(tf.cast(mask, tf.float32), weights)
+                valid, weights = keras_private.squeeze_or_expand_to_same_rank(
+                    tf.cast(mask, tf.float32), weights
+                )
                 weights = weights * valid
             part = tf.reduce_sum(weights)
         elif mask is not None:
@@ -201,10 +251,8 @@ class _SharedLoss:
 
 
 def _mask_of(y_pred: Any) -> Any:
-    from keras.src.backend import get_keras_mask
-
     leaves = [leaf for leaf in tf.nest.flatten(y_pred) if leaf is not None]
-    return get_keras_mask(leaves[0]) if len(leaves) == 1 else None
+    return keras_private.keras_mask(leaves[0]) if len(leaves) == 1 else None
 
 
 def _share_compiled_losses(model: Any, state: _State) -> None:
@@ -251,7 +299,7 @@ def _shared_loss(
 
 
 def _train_step(model: Any, state: _State, original: Any) -> Any:
-    from keras.src.trainers.data_adapters import data_adapter_utils
+    data_adapter_utils = keras_private.data_adapter_utils()
 
     @functools.wraps(original)
     def train_step(data: Any) -> Any:
@@ -337,7 +385,7 @@ def _share_output_losses(model: Any) -> None:
 
 
 def _test_step(model: Any, original: Any) -> Any:
-    from keras.src.trainers.data_adapters import data_adapter_utils
+    data_adapter_utils = keras_private.data_adapter_utils()
 
     if not (_keras_step(model, "compute_metrics") and _keras_step(model, "get_metrics_result")):
         return original  # the skipped branch must return what the step returns
@@ -369,7 +417,7 @@ def _one_row(leaf: tf.Tensor) -> tf.Tensor:
 
 
 def _predict_step(original: Any) -> Any:
-    from keras.src.trainers.data_adapters import data_adapter_utils
+    data_adapter_utils = keras_private.data_adapter_utils()
 
     @functools.wraps(original)
     def predict_step(data: Any) -> Any:
@@ -394,12 +442,13 @@ def apply(model: Any) -> bool:
     """Gives this model the exact steps of the module docstring (idempotent).
 
     Each step the model's class does not override is replaced on the instance; on one
-    replica (or outside a strategy) each calls Keras' own. Not applied outside
-    `TESTED_KERAS`; True when the model has the steps.
+    replica (or outside a strategy) each calls Keras' own. Not applied where the canary
+    retired or refused it (logged once; uneven training batches are then refused before any
+    step); True when the model has the steps.
     """
     if is_applied(model):
         return True
-    if not keras_version_in(TESTED_KERAS):
+    if not _PATCH.apply(lambda: None):  # the steps are replaced per model, below
         return False
     state = _State()
     makers = {

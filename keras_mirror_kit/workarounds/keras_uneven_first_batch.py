@@ -47,7 +47,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_mirror_kit.workarounds import keras_version_in
+from keras_mirror_kit.upstream import keras_private, tensorflow_private
+from keras_mirror_kit.workarounds import KerasPatch, keras_version_in
 
 __all__ = [
     "TESTED_KERAS",
@@ -57,6 +58,7 @@ __all__ = [
     "first_local_part",
     "is_applied",
     "replays",
+    "require",
     "spec_batch",
     "status",
 ]
@@ -68,6 +70,40 @@ TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
 SYMBOLIC_BUILD_BUG = re.compile(r"distribute_strategy\.reduce\(")
 
 _APPLIED: weakref.WeakSet[Any] = weakref.WeakSet()  # models `apply` fixed
+
+
+def _target() -> str | None:
+    """None when Keras' `_maybe_symbolic_build(iterator, data_batch)` is what `apply` wraps."""
+    build = keras_private.tensorflow_trainer()._maybe_symbolic_build  # noqa: SLF001
+    parameters = list(inspect.signature(build).parameters)
+    if not {"iterator", "data_batch"} <= set(parameters):
+        return f"_maybe_symbolic_build takes {parameters}"
+    return None
+
+
+def _bug() -> bool | None:
+    """Whether Keras' build still reduces a batch or takes one from `fit`'s iterator."""
+    try:
+        source = inspect.getsource(keras_private.tensorflow_trainer()._maybe_symbolic_build)  # noqa: SLF001
+    except (OSError, TypeError):
+        return None
+    return bool(SYMBOLIC_BUILD_BUG.search(source) or re.search(r"in iterator\b", source))
+
+
+_PATCH = KerasPatch(
+    TESTED_KERAS,
+    name="keras_uneven_first_batch",
+    feature=(
+        "first batches that split unevenly over the replicas, and generators and PyDatasets "
+        "whose first batch the build would take"
+    ),
+    instead=(
+        "pass a tf.data.Dataset batched with drop_remainder=True "
+        "(kmk.make_dataset(..., drop_remainder=True))"
+    ),
+    target=_target,
+    bug=_bug,
+)
 # The distributed iterator the last build took its batch from. Keras resets `fit`'s epoch
 # iterator right after the build, which destroyed that iterator while its prefetch was in
 # flight: a segfault in TensorFlow's destructor, rarely (2 of 15 CI runs, in
@@ -79,9 +115,7 @@ def bug_in_source(keras_trainer_class: Any = None) -> bool | None:
     """Whether Keras' `_maybe_symbolic_build` still reduces the batch (None: unreadable)."""
     try:
         if keras_trainer_class is None:
-            from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-            keras_trainer_class = TensorFlowTrainer
+            keras_trainer_class = keras_private.tensorflow_trainer()
         source = inspect.getsource(keras_trainer_class._maybe_symbolic_build)
     except (ImportError, AttributeError, OSError, TypeError):
         return None
@@ -116,8 +150,7 @@ def spec_batch(iterator: Any) -> Any:
     spec = getattr(dataset, "element_spec", None)
     if spec is None:
         return None
-    from tensorflow.python.distribute.values import PerReplicaSpec
-
+    PerReplicaSpec = tensorflow_private.per_replica_spec()  # noqa: N806
     return tf.nest.map_structure(
         lambda s: s._value_specs[0] if isinstance(s, PerReplicaSpec) else s,  # noqa: SLF001
         spec,
@@ -139,13 +172,13 @@ def apply(model: Any, before_build: Any = None, after_build: Any = None) -> bool
 
     `before_build(model)` runs before Keras' build, `after_build(model, batch, iterator)`
     after it with the first batch as distributed over the replicas (None where none was
-    taken) and `fit`'s epoch iterator (`keras_mirror_kit.own_steps`). Not applied when
-    Keras' source no longer has the reduction (fixed upstream) or cannot be read outside
-    `TESTED_KERAS`; True when the model has the fix.
+    taken) and `fit`'s epoch iterator (`keras_mirror_kit.own_steps`). Not applied where its
+    canary retired it (Keras' build neither reduces nor takes a batch) or refused it (then
+    `require` refuses generators and PyDatasets); True when the model has the fix.
     """
     if is_applied(model):
         return True
-    if not keras_version_in(TESTED_KERAS) and bug_in_source() is not True:
+    if not _PATCH.apply(lambda: None):  # the patch is per model, below
         return False
     original = getattr(model, "_maybe_symbolic_build", None)
     if original is None:
@@ -160,10 +193,10 @@ def apply(model: Any, before_build: Any = None, after_build: Any = None) -> bool
             return original(iterator=iterator, data_batch=data_batch)
         batch = None
         if replays(iterator):
-            for _, _, it in iterator:  # as Keras does: the first batch of the first epoch
-                batch = next(it)
-                _SPENT[:] = [it]  # destroyed at the next build, not at Keras' reset below
-                break
+            # As Keras does: the first batch of the first epoch.
+            it = keras_private.first_step_iterator(iterator)
+            batch = next(it)
+            _SPENT[:] = [it]  # destroyed at the next build, not at Keras' reset below
             data_batch = first_local_part(batch, strategy)
         else:
             data_batch = spec_batch(iterator)
@@ -177,6 +210,15 @@ def apply(model: Any, before_build: Any = None, after_build: Any = None) -> bool
     object.__setattr__(model, "_maybe_symbolic_build", maybe_symbolic_build)
     _APPLIED.add(model)
     return True
+
+
+def require(x: Any, method: str) -> None:
+    """Refuses, before any step, data whose first batch the build would take (a generator,
+    a `PyDataset`) where the canary refused this workaround on the installed Keras."""
+    import keras
+
+    if isinstance(x, keras.utils.PyDataset) or inspect.isgenerator(x):
+        _PATCH.require(f"{method}() on a {type(x).__name__} on several replicas")
 
 
 def status(keras_version: str | None = None) -> str:

@@ -46,6 +46,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_mirror_kit.upstream import tensorflow_private
 from keras_mirror_kit.workarounds import ThreadBlock
 
 __all__ = ["ATTRIBUTE", "host_functions"]
@@ -55,16 +56,15 @@ logger = logging.getLogger("keras_mirror_kit")
 #: The function attribute that makes TensorFlow instantiate a tf.data function on one device.
 ATTRIBUTE = "experimental_ints_on_device"
 
-_TARGET_MODULE = "tensorflow.python.data.ops.structured_function"
+_TARGET_MODULE = tensorflow_private.STRUCTURED_FUNCTION_MODULE
 _TARGET_CLASS = "StructuredFunctionWrapper"
 
 
 def _install() -> bool:
     """Wraps TensorFlow's tf.data function tracer (once, by `_BLOCK`); False when it cannot."""
-    import importlib
 
     try:
-        wrapper = getattr(importlib.import_module(_TARGET_MODULE), _TARGET_CLASS)
+        wrapper = getattr(tensorflow_private.import_module(_TARGET_MODULE), _TARGET_CLASS)
         original = wrapper.__init__
         takes = "defun_kwargs" in inspect.signature(original).parameters
     except (ImportError, AttributeError, TypeError, ValueError):

@@ -58,6 +58,7 @@ from typing import Any, TypeVar
 
 import tensorflow as tf
 
+from keras_mirror_kit.upstream import tensorflow_private
 from keras_mirror_kit.workarounds import ThreadBlock
 
 __all__ = [
@@ -74,7 +75,7 @@ logger = logging.getLogger("keras_mirror_kit")
 PATCHED_METHODS = ("fit", "evaluate", "predict")
 
 _APPLIED: weakref.WeakSet[Any] = weakref.WeakSet()  # models `apply` wrapped
-_TARGET_MODULE = "tensorflow.python.data.ops.multi_device_iterator_ops"
+_TARGET_MODULE = tensorflow_private.MULTI_DEVICE_ITERATOR_MODULE
 _TARGET_NAME = "_create_device_dataset"
 
 
@@ -95,10 +96,9 @@ def without_autotune(dataset: tf.data.Dataset) -> tf.data.Dataset:
 def _install() -> bool:
     """Wraps TensorFlow's per-device dataset builder (once, by `_BLOCK`); False when it is
     not there."""
-    import importlib
 
     try:
-        module = importlib.import_module(_TARGET_MODULE)
+        module = tensorflow_private.import_module(_TARGET_MODULE)
         original = getattr(module, _TARGET_NAME)
     except (ImportError, AttributeError):
         logger.warning(

@@ -31,10 +31,12 @@ fresh arrays from it (`docs/input-pipeline.md`).
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import numpy as np
 
+from keras_mirror_kit.upstream import keras_private
 from keras_mirror_kit.workarounds import KerasPatch, Owned
 
 __all__ = ["TESTED_KERAS", "install", "own"]
@@ -43,7 +45,28 @@ __all__ = ["TESTED_KERAS", "install", "own"]
 TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
 
 _OWNED = Owned()  # the generators and PyDatasets kit-built models read
-_PATCH = KerasPatch(TESTED_KERAS)
+
+
+def _target() -> str | None:
+    """None when Keras' adapters have what `_patch` wraps, else what differs."""
+    if not callable(getattr(keras_private.py_dataset_adapter(), "_standardize_batch", None)):
+        return "PyDatasetAdapter has no _standardize_batch"
+    init = inspect.getsource(keras_private.generator_data_adapter().__init__)
+    return None if "self.generator" in init else "GeneratorDataAdapter keeps no self.generator"
+
+
+# The copy is exact whether or not TensorFlow still writes into the arrays: its canary
+# checks the shape of what it patches only.
+_PATCH = KerasPatch(
+    TESTED_KERAS,
+    name="tf_generator_buffers",
+    feature="the batches of Python generators and PyDatasets on several replicas",
+    instead=(
+        "pass a tf.data.Dataset (kmk.make_dataset, or tf.data.Dataset.from_tensor_slices) "
+        "instead of a generator or PyDataset"
+    ),
+    target=_target,
+)
 
 
 def _copied(batch: Any) -> Any:
@@ -57,15 +80,13 @@ def _copied(batch: Any) -> Any:
 
 def install() -> bool:
     """Patches Keras' generator and `PyDataset` adapters once (inert for data not `own`ed);
-    False when Keras is outside `TESTED_KERAS` (nothing done)."""
+    False where its canary refused it (nothing done, logged once)."""
     return _PATCH.apply(_patch)
 
 
 def _patch() -> None:
-    from keras.src.trainers.data_adapters.generator_data_adapter import (
-        GeneratorDataAdapter,
-    )
-    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+    GeneratorDataAdapter = keras_private.generator_data_adapter()  # noqa: N806
+    PyDatasetAdapter = keras_private.py_dataset_adapter()  # noqa: N806
 
     standardize = PyDatasetAdapter._standardize_batch  # noqa: SLF001
 
@@ -89,10 +110,11 @@ def _patch() -> None:
 
 def own(x: Any) -> None:
     """Marks `x`, when it is a Python generator or a `keras.utils.PyDataset`, as read by a
-    kit-built model (its batches are then copied)."""
-    import inspect
-
+    kit-built model (its batches are then copied); `ValueError` where the canary refused
+    the copy (before any step)."""
     import keras
 
-    if (isinstance(x, keras.utils.PyDataset) or inspect.isgenerator(x)) and install():
+    if isinstance(x, keras.utils.PyDataset) or inspect.isgenerator(x):
+        if not install():
+            _PATCH.require(f"training on a {type(x).__name__} on several replicas")
         _OWNED.add(x)
