@@ -6,7 +6,7 @@ Trains 2 epochs on `kmk.image_dataset_from_directory(DATA_DIR)` (with random aug
 in `preprocess`, validation on a second folder dataset) with `kmk.distributed`, one
 process per worker (TF_CONFIG from the launcher) or one process with 2 simulated replicas.
 Every file Keras' decode function reads is recorded (a wrapper around
-`keras.src.utils.image_dataset_utils._load_image_tf`). Writes OUT_DIR/result-<rank>.json
+Keras' image loader, `keras_private.load_image()`). Writes OUT_DIR/result-<rank>.json
 (every file decoded, in order; losses) and OUT_DIR/weights-<rank>.npz. A fresh worker
 skips the optional imports no job here uses (`tests.mw_child.skip_optional_imports`).
 """
@@ -35,12 +35,13 @@ def main() -> int:
     import keras
     import numpy as np
     import tensorflow as tf
-    from keras.src.utils import image_dataset_utils
 
     import keras_mirror_kit as kmk
+    from keras_mirror_kit.upstream import keras_private
 
     decoded: list[str] = []
-    original = image_dataset_utils._load_image_tf
+    original = keras_private.load_image()
+    image_dataset_utils = sys.modules[original.__module__]
 
     def note(path):
         decoded.append(path.decode())
@@ -50,7 +51,7 @@ def main() -> int:
         path = tf.reshape(tf.numpy_function(note, [path], tf.string, stateful=True), [])
         return original(path, *args)
 
-    image_dataset_utils._load_image_tf = recording_load
+    setattr(image_dataset_utils, original.__name__, recording_load)  # its name on this Keras
 
     @kmk.distributed(global_batch_size=BATCH)
     def build():

@@ -28,6 +28,7 @@ ABOVE_CORE = (
 # `multi_worker.launch` (the launcher, standard library only) is a unit of its own above the
 # core; the rest of `multi_worker` (TF_CONFIG and Slurm parsing, the strategy) is below `data`.
 LAYERS: tuple[tuple[str, ...], ...] = (
+    ("upstream",),  # the one seam to Keras' and TensorFlow's internals: imports no other unit
     ("validation", "atomic_files", "_version", "named_objects", "tensorflow_objects"),
     ("model_parts",),
     ("precision", "batch_norm"),

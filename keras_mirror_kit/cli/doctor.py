@@ -33,8 +33,8 @@ from keras_mirror_kit.workarounds import version_in
 
 #: Supported ranges, `low <= version < high`: the same as pyproject.toml's requirements.
 SUPPORTED_PYTHON = ((3, 11), (3, 14))
-SUPPORTED_TENSORFLOW = ((2, 21), (3, 0))
-SUPPORTED_KERAS = ((3, 15), (4, 0))
+SUPPORTED_TENSORFLOW = ((2, 19), (3, 0))
+SUPPORTED_KERAS = ((3, 10), (4, 0))
 #: Largest weight difference allowed between the 1-replica and the all-replica run.
 SELF_TEST_ATOL = 1e-6
 #: The size of the tensor the bandwidth figure all-reduces.
@@ -328,17 +328,16 @@ def _check_tensorflow(check: Any, *, required: bool) -> None:
 
 
 def _check_workaround_range(keras_version: str, check: Any) -> None:
-    """Warns when Keras is outside the range the upstream-bug workarounds were tested on."""
-    from keras_mirror_kit.workarounds import keras_multi_worker_fit, keras_version_in
+    """Warns when Keras is outside the range the kit and its workarounds were tested on."""
+    from keras_mirror_kit.upstream import versions
 
-    low, high = keras_multi_worker_fit.TESTED_KERAS
-    if not keras_version_in(keras_multi_worker_fit.TESTED_KERAS, keras_version):
+    if not versions.keras_version_in(versions.TESTED_KERAS, keras_version):
         check(
             "workarounds",
             "warn",
-            f"Keras {keras_version} is outside the range the multi-worker fit workaround was "
-            f"tested on ({'.'.join(map(str, low))} to {'.'.join(map(str, high))}, "
-            "exclusive); multi-worker training warns or refuses.",
+            f"Keras {keras_version} is outside the versions the kit was tested on "
+            f"({versions.TESTED_KERAS_TEXT}): each workaround checks itself first and "
+            "refuses the feature it cannot make exact, before any step (docs/support.md).",
         )
 
 

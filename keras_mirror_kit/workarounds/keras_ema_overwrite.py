@@ -53,7 +53,7 @@ logger = logging.getLogger("keras_mirror_kit")
 
 UPSTREAM = "no upstream report (keras-team/keras issues searched on 2026-12-01)"
 #: Keras versions the workaround was tested on: `low <= version < high`.
-TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
+TESTED_KERAS = ((3, 10, 0), (3, 16, 0))  # Keras 3.16 fixed the bug (status: fixed-upstream)
 _FIXED: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers `apply` fixed
 
 

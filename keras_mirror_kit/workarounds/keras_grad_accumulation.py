@@ -62,7 +62,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit.upstream import keras_private, tensorflow_private
+from keras_mirror_kit.upstream import keras_private, tensorflow_private, versions
 from keras_mirror_kit.workarounds import inner_optimizer, keras_version_in
 
 __all__ = ["TESTED_KERAS", "UPSTREAM", "accumulating_optimizer", "apply", "is_fixed", "status"]
@@ -71,7 +71,7 @@ logger = logging.getLogger("keras_mirror_kit")
 
 UPSTREAM = "keras-team/keras#20582"
 #: Keras versions the workaround was tested on: `low <= version < high`.
-TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
+TESTED_KERAS = versions.TESTED_KERAS
 _FIXED: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers `apply` fixed
 
 

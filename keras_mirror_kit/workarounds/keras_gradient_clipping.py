@@ -58,6 +58,7 @@ from typing import Any
 
 import keras
 
+from keras_mirror_kit.upstream import versions
 from keras_mirror_kit.workarounds import inner_optimizer, keras_version_in, tf_optimizer_class
 
 __all__ = ["TESTED_KERAS", "UPSTREAM", "apply", "clip_options", "is_fixed", "status"]
@@ -66,7 +67,7 @@ logger = logging.getLogger("keras_mirror_kit")
 
 UPSTREAM = "tensorflow/tensorflow#33929"
 #: Keras versions the workaround was tested on: `low <= version < high`.
-TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
+TESTED_KERAS = versions.TESTED_KERAS
 _OPTIONS = ("clipnorm", "global_clipnorm", "clipvalue")
 _FIXED: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers `apply` fixed
 

@@ -48,6 +48,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras_mirror_kit.upstream import versions
 from keras_mirror_kit.workarounds import keras_version_in
 
 __all__ = ["TESTED_KERAS", "UPSTREAM", "apply", "fix_optimizer", "is_fixed", "status"]
@@ -56,7 +57,7 @@ logger = logging.getLogger("keras_mirror_kit")
 
 UPSTREAM = "keras-team/keras#18691"
 #: Keras versions the workaround was tested on: `low <= version < high`.
-TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
+TESTED_KERAS = versions.TESTED_KERAS
 _FIXED: weakref.WeakSet[Any] = weakref.WeakSet()  # LossScaleOptimizers `apply` fixed
 _FOLLOWING: weakref.WeakSet[Any] = weakref.WeakSet()  # models whose compile() re-applies it
 _FIRST_REPLICA_FLAG = re.compile(r"experimental_local_results\(\s*finite_per_replica\s*\)\s*\[0\]")

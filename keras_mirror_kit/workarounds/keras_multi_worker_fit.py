@@ -56,7 +56,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit.upstream import keras_private
+from keras_mirror_kit.upstream import keras_private, versions
 from keras_mirror_kit.workarounds import keras_version_in
 from keras_mirror_kit.workarounds.keras_uneven_first_batch import (
     SYMBOLIC_BUILD_BUG,
@@ -80,7 +80,7 @@ logger = logging.getLogger("keras_mirror_kit")
 
 UPSTREAM_ISSUES = ("keras-team/keras#20585", "tensorflow/tensorflow#72388")
 #: Keras versions the workaround was tested on: `low <= version < high`.
-TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
+TESTED_KERAS = versions.TESTED_KERAS
 ENV_VAR = "KMK_KERAS_WORKAROUND"
 _MODES = ("auto", "on", "off")
 _INSTALLED: list[Any] = []  # the two replacements `_install` set, while they are set

@@ -40,7 +40,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from keras_mirror_kit.upstream import keras_private
+from keras_mirror_kit.upstream import keras_private, versions
 from keras_mirror_kit.workarounds import KerasPatch, keras_version_in
 
 __all__ = [
@@ -55,7 +55,7 @@ __all__ = [
 
 UPSTREAM = "keras-team/keras#20609"
 #: Keras versions the workaround was tested on: `low <= version < high`.
-TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
+TESTED_KERAS = versions.TESTED_KERAS
 
 # `share()` of the step being traced in this thread: `(rows, total)` float32 tensors.
 _local = threading.local()

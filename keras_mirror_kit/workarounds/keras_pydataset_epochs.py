@@ -35,13 +35,13 @@ import inspect
 import weakref
 from typing import Any
 
-from keras_mirror_kit.upstream import keras_private
+from keras_mirror_kit.upstream import keras_private, versions
 from keras_mirror_kit.workarounds import KerasPatch, Owned
 
 __all__ = ["TESTED_KERAS", "cursor_of", "install", "order_by", "own"]
 
 #: Keras versions the workaround was tested on: `low <= version < high`.
-TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
+TESTED_KERAS = versions.TESTED_KERAS
 
 _OWNED = Owned()  # the PyDatasets kit-built models read
 # The cursors (`data.py_dataset_cursor.PyDatasetCursor`) that order PyDatasets' epochs.

@@ -57,7 +57,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from keras_mirror_kit.upstream import keras_private
+from keras_mirror_kit.upstream import keras_private, versions
 from keras_mirror_kit.workarounds import KerasPatch, even_rows, rows_of
 
 __all__ = [
@@ -78,7 +78,7 @@ EMPTY_PART = (
     "or pass steps_per_epoch."
 )
 #: Keras versions the workaround was tested on: `low <= version < high`.
-TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
+TESTED_KERAS = versions.TESTED_KERAS
 # The models `apply` ran on, and the steps it replaced on each.
 _APPLIED: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 _UNWEIGHTED = (None, "none", "sum")  # reductions whose per-replica values simply add up

@@ -47,7 +47,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_mirror_kit.upstream import keras_private, tensorflow_private
+from keras_mirror_kit.upstream import keras_private, tensorflow_private, versions
 from keras_mirror_kit.workarounds import KerasPatch, keras_version_in
 
 __all__ = [
@@ -65,7 +65,7 @@ __all__ = [
 
 UPSTREAM = "keras-team/keras#19246"
 #: Keras versions the workaround was tested on: `low <= version < high`.
-TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
+TESTED_KERAS = versions.TESTED_KERAS
 # The failing call, as it reads in Keras' `_maybe_symbolic_build`.
 SYMBOLIC_BUILD_BUG = re.compile(r"distribute_strategy\.reduce\(")
 

@@ -36,13 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from keras_mirror_kit.upstream import keras_private
+from keras_mirror_kit.upstream import keras_private, versions
 from keras_mirror_kit.workarounds import KerasPatch, Owned
 
 __all__ = ["TESTED_KERAS", "install", "own"]
 
 #: Keras versions the workaround was tested on: `low <= version < high`.
-TESTED_KERAS = ((3, 15, 0), (3, 16, 0))
+TESTED_KERAS = versions.TESTED_KERAS
 
 _OWNED = Owned()  # the generators and PyDatasets kit-built models read
 
