@@ -29,11 +29,13 @@ import tensorflow as tf
 
 import keras_mirror_kit as kmk
 from keras_mirror_kit.fit_inputs import replica_parts
-from keras_mirror_kit.workarounds import keras_replica_shares
+from keras_mirror_kit.upstream import versions
+from keras_mirror_kit.workarounds import keras_activity_regularizer_sum, keras_replica_shares
 from tests.ckpt_helpers import set_back
 from tests.subproc import REPO, run_python
 
 ONE, TWO = ["/cpu:0"], ["/cpu:0", "/cpu:1"]
+SUMS = keras_activity_regularizer_sum.sums_over_the_batch()  # Keras before 3.14
 GLOBAL = 64
 TOLERANCE = 1e-6
 
@@ -103,7 +105,9 @@ def _dnn(devices, **distributed):
             16,
             activation="relu",
             kernel_regularizer=keras.regularizers.L2(1e-2),
-            activity_regularizer=keras.regularizers.L1(1e-4),
+            # Before Keras 3.14 an activity regularizer sums over the batch: refused on
+            # several replicas (`test_activity_regularizers_are_refused_where_keras_sums_them`).
+            activity_regularizer=None if SUMS else keras.regularizers.L1(1e-4),
         )(inputs)
         outputs = keras.layers.Dense(3, activation="softmax")(hidden)
         model = keras.Model(inputs, outputs)
@@ -595,3 +599,29 @@ def test_a_stateful_rnn_on_two_replicas_is_refused_when_built():
         kmk.distributed(global_batch_size=GLOBAL, devices=TWO)(factory)()
     model = kmk.distributed(global_batch_size=GLOBAL, devices=ONE)(factory)()
     model.fit(np.zeros((GLOBAL, 5, 3)), np.zeros((GLOBAL, 1)), epochs=1, verbose=0)
+
+
+def test_activity_regularizers_are_refused_where_keras_sums_them(monkeypatch):
+    def build(devices):
+        @kmk.distributed(global_batch_size=GLOBAL, devices=devices)
+        def factory() -> keras.Model:
+            model = keras.Sequential(
+                [
+                    keras.Input((8,)),
+                    keras.layers.Dense(4, activity_regularizer=keras.regularizers.L1(1e-4)),
+                ]
+            )
+            model.compile(optimizer="sgd", loss="mse")
+            return model
+
+        return factory()
+
+    # Keras 3.14 divides it by the batch size.
+    assert SUMS == versions.keras_version_in(((3, 0, 0), (3, 14, 0)))
+    monkeypatch.setattr(keras_activity_regularizer_sum, "sums_over_the_batch", lambda: True)
+    with pytest.raises(ValueError, match=r"activity_regularizer \(dense.*replicas=2") as info:
+        build(TWO)
+    assert f"keras=={keras.__version__}" in str(info.value) and "Keras >= 3.14" in str(info.value)
+    build(ONE)  # one replica: one device's sum
+    monkeypatch.setattr(keras_activity_regularizer_sum, "sums_over_the_batch", lambda: False)
+    build(TWO)  # a mean over each replica's part: the kit weighs it exactly

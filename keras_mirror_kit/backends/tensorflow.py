@@ -44,6 +44,7 @@ from keras_mirror_kit.devices import (
 from keras_mirror_kit.devices import simulate_replicas as simulate_replicas
 from keras_mirror_kit.precision import ReplicaDevice
 from keras_mirror_kit.workarounds import (
+    keras_activity_regularizer_sum,
     keras_ema_overwrite,
     keras_grad_accumulation,
     keras_gradient_clipping,
@@ -231,7 +232,9 @@ def after_compile(model: Any, engine: Engine, name: str) -> None:
 
 
 def after_prepare(model: Any, engine: Engine) -> None:
-    """At every preparation: float16 loss scaling that every replica agrees on."""
+    """At every preparation: float16 loss scaling that every replica agrees on; activity
+    regularizers refused where Keras sums them over each replica's part."""
+    keras_activity_regularizer_sum.check(model, engine.num_replicas, repr(model.name))
     keras_loss_scale.apply(model, engine.strategy)
 
 

@@ -97,10 +97,11 @@ def tensorflow_trainer() -> type:
 def first_step_iterator(epoch_iterator: Any) -> Any:
     """The data iterator of the first step of `fit`'s epoch iterator, as Keras'
     `_maybe_symbolic_build` takes it: the last item of what the epoch iterator yields
-    (`(step, iterator)` before Keras 3.11, `(begin, end, iterator)` from 3.11)."""
+    (`(step, iterator)` before Keras 3.11, `(begin, end, iterator)` from 3.11); None when
+    it yields no step (Keras then builds without a batch)."""
     for item in epoch_iterator:
         return item[-1]
-    raise ValueError("keras-mirror-kit: the epoch iterator yielded no step.")
+    return None
 
 
 def tf_optimizer() -> type:

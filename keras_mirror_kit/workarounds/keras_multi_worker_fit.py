@@ -258,7 +258,8 @@ def _install() -> None:
         # As Keras does: the first batch of the first epoch's iterator. Then build from the
         # first local replica's part instead of a collective "mean" of the batch.
         it = keras_private.first_step_iterator(iterator)
-        data_batch = first_local_part(next(it), strategy)
+        if it is not None:  # no step: Keras' own build, without a batch
+            data_batch = first_local_part(next(it), strategy)
         return original_build(self, iterator=None, data_batch=data_batch)
 
     @functools.wraps(original_reduce)

@@ -195,6 +195,8 @@ def apply(model: Any, before_build: Any = None, after_build: Any = None) -> bool
         if replays(iterator):
             # As Keras does: the first batch of the first epoch.
             it = keras_private.first_step_iterator(iterator)
+            if it is None:  # no step: Keras' own build, without a batch
+                return original(iterator=None, data_batch=None)
             batch = next(it)
             _SPENT[:] = [it]  # destroyed at the next build, not at Keras' reset below
             data_batch = first_local_part(batch, strategy)
