@@ -283,3 +283,34 @@ def test_a_refused_canary_refuses_generators_and_py_datasets_at_their_call(monke
     with pytest.raises(ValueError, match="keras_uneven_first_batch"):
         keras_uneven_first_batch.require(generator, "evaluate")
     keras_uneven_first_batch.require([0.0], "evaluate")  # arrays: the build replays them
+
+
+def test_a_plain_keras_model_trains_as_without_the_kit_beside_its_callbacks(tmp_path):
+    """The kit wraps `keras.Model.fit`: a plain model (no strategy, not built by the kit)
+    trains the same weights with the kit's callbacks created, or passed, as without them."""
+    import keras
+    import numpy as np
+
+    import keras_mirror_kit as kmk
+
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+
+    def trained(callbacks: list) -> list:
+        keras.utils.set_random_seed(4)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(
+            optimizer="sgd",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks)
+        assert int(model.optimizer.iterations.numpy()) == 8
+        return model.get_weights()
+
+    alone = trained([])
+    monitor = kmk.ThroughputMonitor(global_batch_size=16)  # the kit's callbacks exist
+    kmk.SyncedCheckpoint(str(tmp_path / "ckpt"))
+    for got in (trained([]), trained([monitor])):
+        for a, b in zip(alone, got, strict=True):
+            np.testing.assert_array_equal(a, b)
