@@ -25,6 +25,7 @@ import tensorflow as tf
 from keras import layers, ops
 
 import keras_mirror_kit as kmk
+from keras_mirror_kit.workarounds import keras_activity_regularizer_sum
 
 IMAGE = 8  # image side (keras-io: 28 or 64)
 LATENT = 4  # latent_dim (keras-io: 2 or 128)
@@ -826,9 +827,12 @@ def make(name: str, optimizer: str = "sgd", **options):
             model.compile(optimizer=opt(), loss="mse", metrics=["mae"])
     elif name.startswith("form:"):
         inputs = keras.Input(shape=(6,))
-        hidden = layers.Dense(
-            5, activation="relu", activity_regularizer=keras.regularizers.L2(1e-2)
-        )(inputs)
+        # Before Keras 3.14 an activity regularizer sums over the batch, which the kit
+        # refuses on several replicas: there only form:add_loss keeps it (to be refused).
+        form = name.split(":", 1)[1]
+        sums = keras_activity_regularizer_sum.sums_over_the_batch()
+        regularizer = keras.regularizers.L2(1e-2) if form == "add_loss" or not sums else None
+        hidden = layers.Dense(5, activation="relu", activity_regularizer=regularizer)(inputs)
         model = LossForms(inputs, layers.Dense(1)(hidden))
         model.form = name.split(":", 1)[1]
         model.compile(optimizer=opt())
