@@ -18,6 +18,7 @@ import tensorflow as tf
 
 import keras_mirror_kit as kmk
 from keras_mirror_kit.callbacks.synced_checkpoint import SyncedCheckpoint
+from keras_mirror_kit.upstream import keras_private
 from tests.ckpt_helpers import CountBatches, max_diff, set_back
 
 RNG = np.random.default_rng(0)
@@ -250,7 +251,9 @@ class EvaluatedSteps(keras.callbacks.Callback):
         self.test_batches = 0
 
     def on_test_batch_end(self, batch, logs=None):
-        self.test_batches = batch + 1
+        # Keras 3.10 reports an execution's first step, 3.11+ its last.
+        spe = self.model.steps_per_execution
+        self.test_batches = keras_private.last_step_of_execution(batch, spe) + 1
 
 
 def test_keras_still_rounds_evaluation_steps_up():

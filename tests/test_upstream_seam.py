@@ -314,3 +314,38 @@ def test_a_plain_keras_model_trains_as_without_the_kit_beside_its_callbacks(tmp_
     for got in (trained([]), trained([monitor])):
         for a, b in zip(alone, got, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_the_step_keras_reports_at_a_batch_end_is_the_executions_last(monkeypatch):
+    """Keras 3.10 reports an execution's first step at `on_*_batch_end`, 3.11+ its last:
+    the kit's step counts (checkpoints, throughput, W&B) read either as the last."""
+    from keras_mirror_kit.callbacks.keras_loop import steps_done
+    from keras_mirror_kit.upstream import keras_private
+
+    monkeypatch.setattr(keras_private, "batch_end_reports_first_step", lambda: True)
+    assert keras_private.last_step_of_execution(8, 4) == 11  # Keras 3.10: 8 is the first
+    assert steps_done(8, 10, 0, 4) == 10  # capped at the epoch's length
+    assert steps_done(4, 16, 0, 4) == 8
+    assert keras_private.last_step_of_execution(3, 1) == 3
+    monkeypatch.setattr(keras_private, "batch_end_reports_first_step", lambda: False)
+    assert keras_private.last_step_of_execution(11, 4) == 11
+    assert steps_done(7, 16, 0, 4) == 8
+
+
+def test_the_installed_keras_reports_as_the_seam_says():
+    import keras
+    import numpy as np
+
+    from keras_mirror_kit.upstream import keras_private
+
+    ends = []
+
+    class Ends(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            ends.append(batch)
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=4)
+    model.fit(np.ones((16, 2)), np.ones((16, 1)), batch_size=2, verbose=0, callbacks=[Ends()])
+    assert ends == ([0, 4] if keras_private.batch_end_reports_first_step() else [3, 7])
+    assert [keras_private.last_step_of_execution(b, 4) for b in ends] == [3, 7]

@@ -400,7 +400,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         # With steps_per_execution > 1 Keras reports the last step of each execution (past
         # the end of the epoch for a partial last execution).
         num_batches = self._epoch_length()
-        done = steps_done(batch, num_batches, offset=self._epoch_skip)
+        per_execution = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        done = steps_done(batch, num_batches, self._epoch_skip, per_execution)
         self._steps_in_fit += done - self._steps_in_epoch
         self._steps_in_epoch = done
         self._trained = True

@@ -403,7 +403,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
             self._last_batch = self._seen_batch = batch
             meter.start_epoch()
             return
-        index = steps_done(batch, (self.params or {}).get("steps")) - 1
+        steps = (self.params or {}).get("steps")
+        index = steps_done(batch, steps, 0, self._steps_per_execution) - 1
         if index <= self._seen_batch:  # indices restarted without on_epoch_begin
             self._count_seen()
             n_steps = max(1, min(index + 1, self._steps_per_execution))

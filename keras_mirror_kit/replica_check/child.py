@@ -59,7 +59,12 @@ def _loss_recorder() -> Any:
         def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
             if not logs or "loss" not in logs:
                 return
-            steps, mean = batch + 1, float(logs["loss"])
+            from keras_mirror_kit.upstream import keras_private
+
+            spe = getattr(self.model, "steps_per_execution", 1)
+            spe = spe if isinstance(spe, int) else 1
+            steps = keras_private.last_step_of_execution(batch, spe) + 1
+            mean = float(logs["loss"])
             if steps <= self._steps:
                 return
             total = steps * mean - self._steps * self._mean

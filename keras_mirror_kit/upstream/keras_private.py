@@ -7,13 +7,14 @@ caller's protection refuses its feature (never a silent fallback). The renames k
 
 * Keras 3.16 renamed `trainers.trainer.Trainer` to `BaseTrainer` and
   `backend.tensorflow.trainer.TensorFlowTrainer` to `Trainer`;
-* Keras 3.11 renamed `utils.image_dataset_utils.load_image` to `_load_image_tf` and
+* Keras 3.12 renamed `utils.image_dataset_utils.load_image` to `_load_image_tf` and
   `utils.text_dataset_utils.path_to_string_content` to `_path_to_string_content_tf`;
 * Keras 3.16 takes the epoch in `PyDatasetEnqueuer.start(epoch)` (`start_enqueuer`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from types import ModuleType
@@ -21,6 +22,7 @@ from typing import Any
 
 __all__ = [
     "base_trainer",
+    "batch_end_reports_first_step",
     "can_convert_arrays",
     "data_adapter_utils",
     "dataset_utils",
@@ -33,6 +35,7 @@ __all__ = [
     "image_utils",
     "is_remote_path",
     "keras_mask",
+    "last_step_of_execution",
     "load_image",
     "loss_module",
     "path_to_string_content",
@@ -102,6 +105,27 @@ def first_step_iterator(epoch_iterator: Any) -> Any:
     for item in epoch_iterator:
         return item[-1]
     return None
+
+
+@functools.cache
+def batch_end_reports_first_step() -> bool:
+    """Whether Keras reports an execution's *first* step at `on_*_batch_end` (Keras 3.10),
+    not its last (3.11 and later), with `steps_per_execution > 1`."""
+    try:
+        source = inspect.getsource(_first(("keras.src.trainers.epoch_iterator", None)))
+    except (ImportError, OSError, TypeError):
+        import keras
+
+        return keras.__version__.startswith(("3.0.", "3.1.", "3.2.", "3.3.", "3.4.", "3.5."))
+    return "end_step" not in source and "steps_per_execution - 1" not in source
+
+
+def last_step_of_execution(batch: int, steps_per_execution: int) -> int:
+    """The index of the last step of the execution Keras reports as `batch` at a batch end
+    (Keras 3.10 reports its first step: `batch + steps_per_execution - 1` there)."""
+    if steps_per_execution > 1 and batch_end_reports_first_step():
+        return int(batch) + steps_per_execution - 1
+    return int(batch)
 
 
 def tf_optimizer() -> type:
@@ -221,7 +245,7 @@ def standardize_data_format(data_format: str | None) -> str:
 
 
 def load_image() -> Any:
-    """Keras' image loader of `image_dataset_from_directory` (`_load_image_tf` from 3.11,
+    """Keras' image loader of `image_dataset_from_directory` (`_load_image_tf` from 3.12,
     `load_image` before; the same arguments)."""
     return _first(
         ("keras.src.utils.image_dataset_utils", "_load_image_tf"),
@@ -231,7 +255,7 @@ def load_image() -> Any:
 
 def path_to_string_content() -> Any:
     """Keras' text reader of `text_dataset_from_directory` (`_path_to_string_content_tf`
-    from 3.11, `path_to_string_content` before; the same arguments)."""
+    from 3.12, `path_to_string_content` before; the same arguments)."""
     return _first(
         ("keras.src.utils.text_dataset_utils", "_path_to_string_content_tf"),
         ("keras.src.utils.text_dataset_utils", "path_to_string_content"),
