@@ -190,6 +190,12 @@ def test_unknown_input_shapes_are_a_clear_error_and_specs_can_be_given():
         count_training_flops(model)
     count = count_training_flops(model, input_specs=[tf.TensorSpec((None, 5, 64))])
     forward, backward = dense(64, 8, first=True)
+    if "BatchMatMulV2" in count.by_op_type:
+        # Keras before 3.15 multiplies a rank-3 input by a broadcast kernel (BatchMatMulV2),
+        # whose kernel gradient is summed over the 5 vectors: what runs is what is counted.
+        summed = count.by_op_type.get("Sum", 0.0)
+        assert 0 < summed <= 0.07 * 5 * (forward + backward), count.by_op_type
+        backward += summed / 5
     check(count, [(5 * forward, 5 * backward)])  # the Dense applies to each of 5 vectors
 
 
