@@ -14,7 +14,8 @@ Everything else in the kit asks `current()` for the backend's module and talks t
 calls `keras.backend.backend()`. What the checkpoints ask of a backend (a variable's value
 and its host copy, the finite check on the devices, the replicas' copies and their
 comparison) lives in `tensorflow_state` and `jax_state`, exported by the backend's module.
-Torch and NumPy are refused (Keras 3.15 has no distribution API for them).
+Torch and NumPy are refused (Keras has no distribution API for NumPy, and the kit does not
+support the one Keras 3.16 added for torch).
 """
 
 from __future__ import annotations
