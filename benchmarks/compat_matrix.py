@@ -115,8 +115,18 @@ def _versions(python: Path) -> str:
     return probe.stdout.strip() if probe.returncode == 0 else ""
 
 
-def _wanted(pair: Pair) -> tuple[str, str]:
-    return pair.tensorflow.split("==")[1], pair.keras.split("==")[1]
+def _normal(version: str) -> str:
+    """`2.23.0-dev20261026` (tf-nightly's `__version__`) as pip spells it, `2.23.0.dev...`."""
+    return version.replace("-", ".")
+
+
+def _wanted(pair: Pair) -> list[str]:
+    return [pair.tensorflow.split("==")[1], pair.keras.split("==")[1]]
+
+
+def _holds(versions: str, pair: Pair) -> bool:
+    """Whether a `_versions` line shows the pair's TensorFlow and Keras."""
+    return [_normal(v) for v in versions.split()[1:]] == _wanted(pair)
 
 
 def install(pair: Pair, root: Path, python: str) -> tuple[Path, str]:
@@ -124,9 +134,11 @@ def install(pair: Pair, root: Path, python: str) -> tuple[Path, str]:
     venv = root / pair.name
     bin_python = venv / "bin" / "python3"
     have = _versions(bin_python) if bin_python.exists() else ""
-    if have and have.split()[1:] == list(_wanted(pair)):
+    if have and _holds(have, pair):
         _pip(bin_python, "--no-deps", "-e", str(REPO))
         return bin_python, have
+    if venv.is_symlink():  # a venv of one's own, linked in: never replaced
+        raise RuntimeError(f"{venv} links to a venv that holds {have!r}, not {_wanted(pair)}")
     shutil.rmtree(venv, ignore_errors=True)
     made = _run([python, "-m", "venv", str(venv)])
     if made.returncode:
@@ -144,7 +156,7 @@ def install(pair: Pair, root: Path, python: str) -> tuple[Path, str]:
     if kit.returncode:
         raise RuntimeError(f"pip: {kit.stderr[-2000:]}")
     have = _versions(bin_python)
-    if have.split()[1:] != list(_wanted(pair)):
+    if not _holds(have, pair):
         raise RuntimeError(f"the venv holds {have!r}, not {_wanted(pair)}")
     return bin_python, have
 

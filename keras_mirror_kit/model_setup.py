@@ -29,7 +29,7 @@ import keras
 from keras_mirror_kit import backends, fit_wrapper
 from keras_mirror_kit.distribution import Distribution, activate
 from keras_mirror_kit.model_record import record_of, register_model
-from keras_mirror_kit.precision import keep_outputs_float32
+from keras_mirror_kit.precision import keep_outputs_float32, policy_scope
 from keras_mirror_kit.schedules import check_accumulation
 from keras_mirror_kit.workarounds import inner_optimizer
 
@@ -144,17 +144,58 @@ def _apply_gradient_accumulation(model: Any, steps: int, name: str) -> None:
     check_accumulation(optimizer._learning_rate, steps, name)  # noqa: SLF001
 
 
+def _optimizer_in_scope(optimizer: Any, dist: Distribution, model_name: str) -> Any:
+    """`optimizer` as `compile()` may use it under `dist`'s strategy: itself, or, for an
+    optimizer object made outside the scope that holds no state yet, the same optimizer
+    re-created from its config inside the scope (`ValueError` for one that holds state)."""
+    made_in = getattr(optimizer, "_distribution_strategy", None)  # TensorFlow's optimizers
+    if not isinstance(optimizer, keras.optimizers.Optimizer) or made_in is None:
+        return optimizer
+    if made_in is dist.engine.strategy:
+        return optimizer
+    steps = int(keras.ops.convert_to_numpy(optimizer.iterations))
+    if optimizer.built or steps:
+        raise ValueError(
+            f"compile() of {model_name!r} was given an optimizer created outside the "
+            "strategy's scope that already holds state (it was built, or took "
+            f"{steps} step(s)), which cannot be mirrored over the replicas without losing "
+            "it. Pass a new optimizer (or a string such as 'adam'): the kit re-creates an "
+            "optimizer that holds no state inside the scope. "
+            f"Received: optimizer={type(optimizer).__name__}, built={optimizer.built}, "
+            f"iterations={steps}"
+        )
+    try:
+        with activate(dist, "kmk.distribution_of(model).strategy"):
+            return type(optimizer).from_config(optimizer.get_config())
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"compile() of {model_name!r} was given an optimizer created outside the "
+            "strategy's scope, and the kit could not re-create it inside the scope from its "
+            f"config ({err}). Create it there: `with kmk.distribution_of(model).strategy."
+            "scope(): optimizer = ...`, or pass a string such as 'adam'. "
+            f"Received: optimizer={type(optimizer).__name__}"
+        ) from err
+
+
 def _compile_inside_scope(model: keras.Model, dist: Distribution, options: ModelOptions) -> None:
-    """Makes a later `model.compile(...)` run inside the strategy's scope, then checks it."""
+    """Makes every later `model.compile(...)` run inside the strategy's scope and the
+    distribution's dtype policy, with an optimizer usable there, then checks the model and
+    gives it the distribution's settings again (a fine-tuning phase's second compile)."""
     original = model.compile
 
     @functools.wraps(original)
     def compile_in_scope(*args: Any, **kwargs: Any) -> None:
-        with activate(dist, "kmk.distribution_of(model).strategy"):
-            original(*args, **kwargs)
         name = f"compile() of {model.name!r}"
+        if args:
+            args = (_optimizer_in_scope(args[0], dist, model.name), *args[1:])
+        elif "optimizer" in kwargs:
+            kwargs["optimizer"] = _optimizer_in_scope(kwargs["optimizer"], dist, model.name)
+        with activate(dist, "kmk.distribution_of(model).strategy"):
+            with policy_scope(options.mixed_precision):
+                original(*args, **kwargs)
         check_model(model, dist, factory_name=name)
         _apply_compile_settings(model, dist, options, name)
+        backends.current().after_prepare(model, dist.engine)
 
     object.__setattr__(model, "compile", compile_in_scope)
 
@@ -200,7 +241,7 @@ def prepare_model(
         backend.sync_batch_norm(model)
     if model.compiled:
         _apply_compile_settings(model, dist, options, name)
-    elif not record.prepared:
+    if not record.prepared:  # a later compile (a fine-tuning phase's) runs in the scope too
         _compile_inside_scope(model, dist, options)
     backend.after_prepare(model, dist.engine)
     if record.prepared:
