@@ -148,14 +148,18 @@ def test_uncompiled_model_compiles_later_inside_the_scope():
     )
 
 
-def test_late_compile_with_an_optimizer_made_outside_is_a_clear_error():
+def test_late_compile_with_an_optimizer_made_outside_re_creates_it_or_refuses_its_state():
     @kmk.distributed(per_replica_batch_size=8)
     def build():
         return models.functional()
 
     model = build()
-    outside = keras.optimizers.Adam()
-    with pytest.raises(ValueError, match="optimizer .* was created outside the strategy"):
+    outside = keras.optimizers.Adam(3e-4)
+    model.compile(optimizer=outside, loss="mse")  # no state yet: re-created in the scope
+    assert model.optimizer is not outside and model.optimizer.get_config() == outside.get_config()
+    assert model.optimizer._distribution_strategy is kmk.distribution_of(model).strategy
+    outside.build(model.trainable_variables)  # now it holds state made outside the scope
+    with pytest.raises(ValueError, match="optimizer created outside the strategy's scope"):
         model.compile(optimizer=outside, loss="mse")
 
 
