@@ -155,12 +155,12 @@ def _optimizer_in_scope(optimizer: Any, dist: Distribution, model_name: str) -> 
         return optimizer
     steps = int(keras.ops.convert_to_numpy(optimizer.iterations))
     if optimizer.built or steps:
+        held = f"it took {steps} step(s)" if steps else "it was built"
         raise ValueError(
             f"compile() of {model_name!r} was given an optimizer created outside the "
-            "strategy's scope that already holds state (it was built, or took "
-            f"{steps} step(s)), which cannot be mirrored over the replicas without losing "
-            "it. Pass a new optimizer (or a string such as 'adam'): the kit re-creates an "
-            "optimizer that holds no state inside the scope. "
+            f"strategy's scope that already holds state ({held}), which cannot be mirrored "
+            "over the replicas without losing it. Pass a new optimizer (or a string such as "
+            "'adam'): the kit re-creates an optimizer that holds no state inside the scope. "
             f"Received: optimizer={type(optimizer).__name__}, built={optimizer.built}, "
             f"iterations={steps}"
         )

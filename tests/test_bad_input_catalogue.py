@@ -150,7 +150,9 @@ def late_compile_outside_optimizer():
         return models.functional()
 
     model = build()
-    model.compile(optimizer=keras.optimizers.SGD(), loss="mse")
+    used = keras.optimizers.SGD()
+    used.build(model.trainable_variables)  # state made outside the scope
+    model.compile(optimizer=used, loss="mse")
 
 
 def checkpoint_of_another_model(tmp: Path):
@@ -420,10 +422,10 @@ CASES = [
         "were created outside the strategy's scope",
     ),
     Case(
-        "late compile with an optimizer made outside",
+        "late compile with an optimizer holding state from outside",
         late_compile_outside_optimizer,
         ValueError,
-        "was created outside the strategy's scope",
+        "optimizer created outside the strategy's scope that already holds state",
     ),
     Case(
         "kmk.current() outside distributed()",
