@@ -52,6 +52,7 @@ from keras_mirror_kit.workarounds import (
     keras_loss_scale,
     keras_pydataset_epochs,
     keras_replica_shares,
+    keras_step_fetch,
     keras_uneven_first_batch,
     tf_data_iterator_stall,
     tf_generator_buffers,
@@ -248,6 +249,7 @@ def install(model: Any) -> None:
     keras_uneven_first_batch.apply(  # evaluation on batches that split unevenly
         model, before_build=own_steps.before_build, after_build=own_steps.after_build
     )
+    keras_step_fetch.apply(model)  # Keras 3.16: one-step executions read in the graph
 
 
 @contextlib.contextmanager

@@ -186,7 +186,7 @@ class KerasPatch:
         except (ImportError, AttributeError, TypeError, ValueError, OSError):
             present = None
         if present is False:
-            return Verdict("retired", f"Keras {version} no longer has the bug")
+            return Verdict("retired", f"the bug is not in Keras {version}")
         if differs:
             return Verdict("refused", f"what it patches changed on Keras {version}: {differs}")
         if present is True or keras_version_in(self.tested, version):
