@@ -48,6 +48,8 @@ class Config(NamedTuple):
     y_scale: float = 1.0  # targets scaled (float16: no step may overflow, see below)
 
 
+EMA_UPSTREAM = keras_ema_overwrite.status() == "fixed-upstream"  # Keras 3.16
+
 CONFIGS = {
     "sgd": Config(lambda: SGD(0.05)),
     "adam": Config(lambda: Adam(0.01)),
@@ -146,7 +148,8 @@ def test_one_and_two_replicas_train_as_one_device(name):
     inner = keras_grad_accumulation.accumulating_optimizer(two.optimizer)
     assert keras_gradient_clipping.is_fixed(two.optimizer)  # every optimizer on 2 replicas
     assert not keras_gradient_clipping.is_fixed(one.optimizer)  # 1 replica: nothing to fix
-    assert keras_ema_overwrite.is_fixed(inner) == bool(inner.use_ema)
+    # Keras 3.16 overwrites in a merge_call itself: the kit's fix retires there.
+    assert keras_ema_overwrite.is_fixed(inner) == (bool(inner.use_ema) and not EMA_UPSTREAM)
 
 
 @pytest.mark.slow
@@ -302,7 +305,7 @@ def test_fixed_when_compiled_after_the_factory_or_in_a_with_block():
     assert isinstance(block.optimizer, keras.optimizers.LossScaleOptimizer)
     for model in (late, block):
         assert keras_gradient_clipping.is_fixed(model.optimizer)
-        assert keras_ema_overwrite.is_fixed(model.optimizer)
+        assert keras_ema_overwrite.is_fixed(model.optimizer) is not EMA_UPSTREAM
     _train(late)  # the overwrite traces and runs
     expected = _trained("adam-ema-overwrite", "plain").get_weights()
     assert max_diff(late.get_weights(), expected) <= 1e-6
@@ -332,7 +335,8 @@ result = {}
 model = one_weight(learning_rate=1.0, clipnorm=1.0)
 result["clipnorm"] = [train(model, -99.0, 2), keras_gradient_clipping.is_fixed(model.optimizer)]
 model = one_weight(learning_rate=0.1, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=2)
-result["ema"] = [train(model, 3.0, 8), keras_ema_overwrite.is_fixed(model.optimizer)]
+upstream = keras_ema_overwrite.status() == "fixed-upstream"  # Keras 3.16: its own merge_call
+result["ema"] = [train(model, 3.0, 8), keras_ema_overwrite.is_fixed(model.optimizer) or upstream]
 with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
     json.dump(result, f)
 """
