@@ -1,13 +1,14 @@
 """Where the next epoch of a `keras.utils.PyDataset` starts: its batch order and position.
 
 A `PyDataset` is addressable (`__getitem__`, `__len__`): an epoch is the order Keras reads
-its batches in (`0..n-1`, or Python's `random.shuffle` of it with `fit(shuffle=True)`,
-Keras' default). A `PyDatasetCursor` makes that order in the main thread as each epoch
-begins, with the very call Keras makes, so an epoch reads what plain Keras reads, and keeps
-it: a checkpoint written part-way through the epoch saves the order and the state of
-Python's `random` after it (`checkpoint_arrays`), and the resumed run reads the epoch's
-remaining batches in that order and goes on with that `random` state
-(`resume_from`): the epochs after it are shuffled as the uninterrupted run shuffled them.
+its batches in (`0..n-1`, or with `fit(shuffle=True)`, Keras' default, Python's
+`random.shuffle` of it; from Keras 3.16 `random.Random(epoch).shuffle`). A
+`PyDatasetCursor` makes that order in the main thread as each epoch begins, with the very
+call Keras makes, so an epoch reads what plain Keras reads, and keeps it: a checkpoint
+written part-way through the epoch saves the order and the state of Python's `random`
+after it (`checkpoint_arrays`), and the resumed run reads the epoch's remaining batches in
+that order and goes on with that `random` state (`resume_from`): the epochs after it are
+shuffled as the uninterrupted run shuffled them.
 
 The cursor is made for the `PyDataset`s a kit-built model's `fit` reads (TensorFlow
 backend: `backends.tensorflow.py_dataset_cursor`); `workarounds.keras_pydataset_epochs`
@@ -24,6 +25,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from keras_mirror_kit.upstream import keras_private
 
 __all__ = ["ARRAY_KINDS", "PyDatasetCursor"]
 
@@ -133,7 +136,7 @@ class PyDatasetCursor:
             self._saved = saved
         return True
 
-    def begin_epoch(self, shuffle: bool) -> list[int]:
+    def begin_epoch(self, shuffle: bool, keras_first_epoch: int = 0) -> list[int]:
         """The indices of the batches the epoch beginning now reads, in order.
 
         Called by the data adapter as each epoch begins (main thread). The order is the
@@ -142,6 +145,8 @@ class PyDatasetCursor:
 
         Args:
             shuffle: Keras' `shuffle` for this `fit`.
+            keras_first_epoch: Keras' own epoch count (3.16's adapter `_epoch`) as the
+                first epoch of a run began: epoch `e` is shuffled by `e` plus it there.
 
         Returns:
             The indices, without the batches already trained.
@@ -156,7 +161,10 @@ class PyDatasetCursor:
             else:
                 skip = 0
                 order = list(range(self.num_batches))
-                if shuffle:
+                if shuffle and keras_private.py_dataset_shuffles_by_epoch():
+                    # Keras 3.16's: by its epoch count (the uninterrupted run's)
+                    random.Random(epoch + keras_first_epoch).shuffle(order)
+                elif shuffle:
                     random.shuffle(order)  # Keras' own call: plain Keras' order
             self._order, self._random_after = order, random.getstate()
             self._next = (epoch + 1, 0)

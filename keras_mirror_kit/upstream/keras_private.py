@@ -40,6 +40,7 @@ __all__ = [
     "loss_module",
     "path_to_string_content",
     "py_dataset_adapter",
+    "py_dataset_shuffles_by_epoch",
     "seed_generator_class",
     "squeeze_or_expand_to_same_rank",
     "standardize_data_format",
@@ -148,6 +149,14 @@ def generator_data_adapter() -> type:
     return _first(
         ("keras.src.trainers.data_adapters.generator_data_adapter", "GeneratorDataAdapter")
     )
+
+
+@functools.cache
+def py_dataset_shuffles_by_epoch() -> bool:
+    """Whether Keras shuffles a `PyDataset`'s batches with `random.Random(epoch)` (Keras
+    3.16), not with Python's global `random.shuffle` (3.15 and older)."""
+    source = inspect.getsource(py_dataset_adapter()._finite_generator)  # noqa: SLF001
+    return "random.Random(" in source
 
 
 def start_enqueuer(enqueuer: Any, epoch: int) -> None:

@@ -114,9 +114,11 @@ def _patch() -> None:
     def on_epoch_begin(self: Any) -> None:
         cursor = getattr(self, "_kit_cursor", None)
         if cursor is not None:
+            if not hasattr(self, "_kit_first_epoch"):  # Keras 3.16 counts from here
+                self._kit_first_epoch = getattr(self, "_epoch", 0)
             if self._within_epoch:  # SyncedCheckpoint ended a resumed epoch after its rest
                 self.on_epoch_end()
-            self._kit_order = cursor.begin_epoch(self.shuffle)
+            self._kit_order = cursor.begin_epoch(self.shuffle, self._kit_first_epoch)
             if self.enqueuer is not None:  # reads _InOrder's batches 0..k-1, unshuffled
                 self.enqueuer.py_dataset = _InOrder(self.py_dataset, self._kit_order)
                 self.enqueuer.shuffle = False
