@@ -165,22 +165,28 @@ def _workaround(name: str) -> types.ModuleType:
     return importlib.import_module(f"keras_mirror_kit.workarounds.{name}")
 
 
+def _fresh(name: str, **changes):
+    """A new `KerasPatch` like the module's (nothing decided or patched yet), `changes` given."""
+    from keras_mirror_kit.workarounds import KerasPatch
+
+    original = _workaround(name)._PATCH
+    given = {
+        "name": original.name,
+        "feature": original.feature,
+        "instead": original.instead,
+        "target": original._target,
+        "bug": original._bug,
+    }
+    return KerasPatch(original.tested, **(given | changes))
+
+
 @pytest.mark.parametrize("name", CANARY_MODULES)
 def test_on_an_untested_keras_each_canary_decides_and_says_so(name, monkeypatch, caplog):
     from keras_mirror_kit.upstream import versions
-    from keras_mirror_kit.workarounds import KerasPatch
 
-    module = _workaround(name)
-    original = module._PATCH
+    original = _workaround(name)._PATCH
     monkeypatch.setattr(versions, "keras_version", lambda: FAKE)
-    fresh = KerasPatch(
-        original.tested,
-        name=original.name,
-        feature=original.feature,
-        instead=original.instead,
-        target=original._target,
-        bug=original._bug,
-    )
+    fresh = _fresh(name)
     verdict = fresh.verdict()
     assert verdict.state in ("applied", "retired", "refused"), verdict
     if original._bug is not None and original._bug() is False:  # keras_step_fetch before 3.16
@@ -201,19 +207,10 @@ def test_a_changed_patch_target_refuses_the_feature_naming_both_versions(
     name, monkeypatch, caplog
 ):
     from keras_mirror_kit.upstream import versions
-    from keras_mirror_kit.workarounds import KerasPatch
 
-    module = _workaround(name)
-    original = module._PATCH
+    original = _workaround(name)._PATCH
     monkeypatch.setattr(versions, "keras_version", lambda: FAKE)
-    refused = KerasPatch(
-        original.tested,
-        name=original.name,
-        feature=original.feature,
-        instead=original.instead,
-        target=lambda: "the patched method is gone",
-        bug=lambda: True,
-    )
+    refused = _fresh(name, target=lambda: "the patched method is gone", bug=lambda: True)
     with caplog.at_level(logging.WARNING, logger="keras_mirror_kit"):
         assert refused.apply(lambda: pytest.fail("patched although refused")) is False
     assert f"{original.name} cannot protect" in caplog.text
