@@ -50,6 +50,7 @@ from keras_mirror_kit.fit_inputs import (
     is_array_data,
     plan_batches,
 )
+from keras_mirror_kit.learning_rate_callbacks import check_learning_rate_callbacks
 from keras_mirror_kit.model_record import record_of
 from keras_mirror_kit.tensorflow_objects import is_dataset
 from keras_mirror_kit.workarounds.keras_epoch_rounding import check_step_arguments
@@ -154,6 +155,8 @@ def install(model: Any, dist: Distribution) -> None:
                 check_even_batches(given, dist, _method)
             elif _method == "fit":
                 check_training_split(given, dist, backend.trains_exactly(model))
+            if _method == "fit":
+                check_learning_rate_callbacks(model, given.get("callbacks"), dist)
             if _method != "fit":
                 with backend.call(model, dist.engine, _method, given):  # after the checks
                     call_args, call_kwargs = call.call()

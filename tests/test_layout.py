@@ -46,6 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("fit_inputs",),
     ("fit_arguments",),
     ("model_record", "fit_hooks"),
+    ("learning_rate_callbacks",),
     ("fit_wrapper",),
     ("model_setup",),
     ("with_block",),

@@ -102,3 +102,42 @@ def test_a_second_compile_keeps_the_distributions_settings():
     assert model.steps_per_execution == 4
     with pytest.raises(ValueError, match=r"steps_per_execution=2.*one place"):
         model.compile(optimizer="adam", loss=_loss(), steps_per_execution=2)
+
+
+def _scheduled(devices: list[str]) -> keras.Model:
+    @kmk.distributed(global_batch_size=GLOBAL, devices=devices)
+    def build():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+        schedule = kmk.WarmupSchedule(0.1, warmup_steps=4)
+        model.compile(optimizer=keras.optimizers.SGD(schedule), loss=_loss())
+        return model
+
+    return build()
+
+
+@pytest.mark.parametrize(
+    "callback",
+    [
+        lambda: keras.callbacks.ReduceLROnPlateau(monitor="loss"),
+        lambda: keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.1 * 0.5**epoch),
+    ],
+    ids=["ReduceLROnPlateau", "LearningRateScheduler"],
+)
+def test_a_learning_rate_callback_on_a_schedule_is_refused_before_any_step(callback):
+    model = _scheduled(TWO)
+    with pytest.raises(ValueError, match=r"sets the optimizer's learning rate.*WarmupSchedule"):
+        model.fit(X, Y, epochs=2, verbose=0, callbacks=[callback()])
+    assert int(model.optimizer.iterations.numpy()) == 0  # before any step
+
+
+def test_a_learning_rate_scheduler_on_a_scaled_rate_is_said_once(caplog):
+    import logging
+
+    model, _ = _fine_tuning(TWO)
+    scheduler = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.05)
+    with caplog.at_level(logging.WARNING, logger="keras_mirror_kit"):
+        model.fit(X, Y, epochs=1, verbose=0, callbacks=[scheduler])
+        model.fit(X, Y, epochs=1, verbose=0, callbacks=[scheduler])
+    lines = [r for r in caplog.records if "LearningRateScheduler sets" in r.getMessage()]
+    assert len(lines) == 1 and "on 2 replicas (global batch 16)" in lines[0].getMessage()
+    assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.05)  # as written
