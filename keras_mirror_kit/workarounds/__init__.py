@@ -1,9 +1,11 @@
 """Workarounds for upstream bugs, one module per bug, each named for what it works around.
 
 Each module names its upstream issue (or says that none was found), is applied only to
-what the kit builds (plain Keras models and Keras' classes are untouched), is guarded to the
-versions it was tested on where it patches Keras, and has the test or benchmark below that
-shows whether the bug is still there, so it can be removed when upstream fixes it.
+what the kit builds (plain Keras models and Keras' classes are untouched), decides by a
+canary where it patches Keras (`KerasPatch`: applied, retired where upstream fixed the bug,
+or refused with its feature before any step; the private symbols it patches are resolved in
+`keras_mirror_kit.upstream`), and has the test or benchmark below that shows whether the bug
+is still there, so it can be removed when upstream fixes it.
 
 * `keras_multi_worker_fit`: Keras' `model.fit` fails under `MultiWorkerMirroredStrategy`
   (first-batch build, per-replica log reduction). Upstream: keras-team/keras#20585,
@@ -69,6 +71,15 @@ shows whether the bug is still there, so it can be removed when upstream fixes i
   test_plain_keras_still_lets_a_stale_generator_stop_the_next_epochs_enqueuer` fails,
   remove that part only: the same patches read a `PyDataset` in the order of its cursor
   (`data.py_dataset_cursor`: mid-epoch resume), which is a feature, not a workaround.
+* `keras_activity_regularizer_sum`: before Keras 3.14 a layer's activity regularizer is a
+  sum over the batch, which on several replicas is not one device's penalty: refused there
+  before any step. No upstream report found (Keras 3.14 divides it by the batch size).
+  Remove when the oldest supported Keras is 3.14.
+* `keras_step_fetch`: Keras 3.16 reads a one-step execution's batch outside the compiled
+  step, which is then traced from the batches that came first (a resumed run rounds
+  otherwise; per-output losses weighed by a batch size known in one trace only): on kit
+  models it reads inside a compiled function again. No upstream report found. Retires
+  itself where `_make_function` has no eager fetch (Keras 3.15 and older).
 * `keras_epoch_rounding`: epochs and evaluations rounded up to a multiple of
   `steps_per_execution`. No upstream report found (see the module). Remove when Keras
   truncates the last execution as `compile()` documents.
@@ -174,6 +185,7 @@ class KerasPatch:
         self._lock = threading.Lock()
         self._verdict: Verdict | None = None
         self._keras: str | None = None
+        self._patched = self._said = False
 
     def _decide(self, version: str) -> Verdict:
         """The canary's verdict for Keras `version` (nothing patched)."""
@@ -215,7 +227,7 @@ class KerasPatch:
         """
         verdict = self.verdict()
         with self._lock:
-            if getattr(self, "_patched", False):
+            if self._patched:
                 return True
             if verdict.state == "applied":
                 patch()
@@ -229,7 +241,7 @@ class KerasPatch:
                         verdict.reason,
                     )
                 return True
-            if not getattr(self, "_said", False):
+            if not self._said:
                 self._said = True
                 if verdict.state == "retired":
                     logger.info(
