@@ -350,3 +350,18 @@ def test_the_installed_keras_reports_as_the_seam_says():
     model.fit(np.ones((16, 2)), np.ones((16, 1)), batch_size=2, verbose=0, callbacks=[Ends()])
     assert ends == ([0, 4] if keras_private.batch_end_reports_first_step() else [3, 7])
     assert [keras_private.last_step_of_execution(b, 4) for b in ends] == [3, 7]
+
+
+def test_a_keras_outside_the_tested_range_is_named_once(monkeypatch, caplog):
+    from keras_mirror_kit.upstream import versions
+
+    assert versions.untested() == []  # the suite runs on tested versions
+    monkeypatch.setattr(versions, "keras_version", lambda: "3.99.0")
+    monkeypatch.setattr(versions, "_noticed", set())
+    with caplog.at_level(logging.WARNING, logger="keras_mirror_kit"):
+        assert versions.notice_untested("distributed()") is True
+        assert versions.notice_untested("distributed()") is True  # said once
+    lines = [r.getMessage() for r in caplog.records if "outside the versions" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "Keras 3.99.0 (tested: Keras 3.10 to 3.16)" in lines[0]
+    assert "refuses the feature it cannot make exact before any step" in lines[0]

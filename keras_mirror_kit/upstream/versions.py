@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
 
 __all__ = [
@@ -99,12 +100,11 @@ def keras_version() -> str:
 
 
 def tensorflow_version() -> str | None:
-    """The installed TensorFlow's version, or None when it is not installed."""
-    try:
-        import tensorflow as tf
-    except ImportError:
-        return None
-    return str(tf.__version__)
+    """The version of the TensorFlow imported in this process, or None when none is (this
+    never imports TensorFlow: on Keras' JAX backend it would take the GPUs' memory)."""
+    tf = sys.modules.get("tensorflow")
+    version = getattr(tf, "__version__", None)
+    return None if version is None else str(version)
 
 
 def keras_version_in(
@@ -153,12 +153,9 @@ def untested() -> list[str]:
     keras = keras_version()
     if not version_in(keras, TESTED_KERAS):
         found.append(f"Keras {keras} (tested: {TESTED_KERAS_TEXT})")
-    tf = tensorflow_version()
-    import keras as keras_module
-
-    if tf is not None and keras_module.backend.backend() == "tensorflow":
-        if not version_in(tf, TESTED_TENSORFLOW):
-            found.append(f"TensorFlow {tf} (tested: {TESTED_TENSORFLOW_TEXT})")
+    tf = tensorflow_version()  # imported by Keras' TensorFlow backend, else by the user
+    if tf is not None and not version_in(tf, TESTED_TENSORFLOW):
+        found.append(f"TensorFlow {tf} (tested: {TESTED_TENSORFLOW_TEXT})")
     return found
 
 
