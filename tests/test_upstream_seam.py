@@ -355,7 +355,6 @@ def test_the_installed_keras_reports_as_the_seam_says():
 def test_a_keras_outside_the_tested_range_is_named_once(monkeypatch, caplog):
     from keras_mirror_kit.upstream import versions
 
-    assert versions.untested() == []  # the suite runs on tested versions
     monkeypatch.setattr(versions, "keras_version", lambda: "3.99.0")
     monkeypatch.setattr(versions, "_noticed", set())
     with caplog.at_level(logging.WARNING, logger="keras_mirror_kit"):
