@@ -13,6 +13,7 @@ WARNING, with how to scale it.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import keras
@@ -26,7 +27,7 @@ __all__ = ["check_learning_rate_callbacks"]
 logger = logging.getLogger("keras_mirror_kit")
 
 _SETTERS = (keras.callbacks.ReduceLROnPlateau, keras.callbacks.LearningRateScheduler)
-_warned: set[int] = set()
+_warned: weakref.WeakSet[Any] = weakref.WeakSet()  # the schedulers already said
 
 
 def check_learning_rate_callbacks(model: Any, callbacks: Any, dist: Distribution) -> None:
@@ -54,8 +55,8 @@ def check_learning_rate_callbacks(model: Any, callbacks: Any, dist: Distribution
             f"Received: callbacks=[{names}], learning_rate={type(rate).__name__}"
         )
     schedulers = [c for c in setters if isinstance(c, keras.callbacks.LearningRateScheduler)]
-    if dist.num_replicas > 1 and schedulers and id(schedulers[0]) not in _warned:
-        _warned.add(id(schedulers[0]))
+    if dist.num_replicas > 1 and schedulers and schedulers[0] not in _warned:
+        _warned.add(schedulers[0])
         logger.warning(
             "keras-mirror-kit: LearningRateScheduler sets each epoch's learning rate to what "
             "its function returns, as written: on %d replicas (global batch %d) a function "

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from keras_mirror_kit.upstream import keras_private
 
 __all__ = ["steps_done"]
 
 
 def steps_done(
-    batch: int, epoch_length: int | None, offset: int = 0, steps_per_execution: int = 1
+    batch: int, epoch_length: int | None, offset: int = 0, steps_per_execution: Any = 1
 ) -> int:
     """Steps of the epoch done when Keras reports `batch` at a batch end (`offset`: resumed).
 

@@ -398,9 +398,10 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._writer.raise_if_failed()  # a background write that failed: stop here
         # With steps_per_execution > 1 Keras reports the last step of each execution (past
-        # the end of the epoch for a partial last execution).
+        # the end of the epoch for a partial last execution; Keras 3.10 its first, which
+        # steps_done reads as the last).
         num_batches = self._epoch_length()
-        per_execution = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        per_execution = getattr(self.model, "steps_per_execution", 1)
         done = steps_done(batch, num_batches, self._epoch_skip, per_execution)
         self._steps_in_fit += done - self._steps_in_epoch
         self._steps_in_epoch = done

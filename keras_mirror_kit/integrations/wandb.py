@@ -264,9 +264,11 @@ class WandbLogger(keras.callbacks.Callback):
         n = self.log_every_n_batches
         if not self._active or n is None:
             return
-        spe = getattr(self.model, "steps_per_execution", 1)
         self._batch_step = self._epoch_start_step + steps_done(
-            batch, (self.params or {}).get("steps"), 0, spe if isinstance(spe, int) else 1
+            batch,
+            (self.params or {}).get("steps"),
+            0,
+            getattr(self.model, "steps_per_execution", 1),
         )
         if self._batch_step - self._last_logged_step < n:
             return

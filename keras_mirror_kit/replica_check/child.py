@@ -62,7 +62,6 @@ def _loss_recorder() -> Any:
             from keras_mirror_kit.upstream import keras_private
 
             spe = getattr(self.model, "steps_per_execution", 1)
-            spe = spe if isinstance(spe, int) else 1
             steps = keras_private.last_step_of_execution(batch, spe) + 1
             mean = float(logs["loss"])
             if steps <= self._steps:

@@ -14,7 +14,7 @@ function here changes and the rest of the kit does not.
 Each resolver imports lazily (the kit imports without TensorFlow or Keras loaded) and
 raises `ImportError` naming the installed version when a symbol is on none of the layouts
 it knows; the workaround that needs it then refuses its feature
-(`keras_mirror_kit.workarounds.Protection`).
+(`keras_mirror_kit.workarounds.KerasPatch`).
 """
 
 from __future__ import annotations

@@ -115,16 +115,19 @@ def batch_end_reports_first_step() -> bool:
     try:
         source = inspect.getsource(_first(("keras.src.trainers.epoch_iterator", None)))
     except (ImportError, OSError, TypeError):
-        import keras
+        from keras_mirror_kit.upstream import versions
 
-        return keras.__version__.startswith(("3.0.", "3.1.", "3.2.", "3.3.", "3.4.", "3.5."))
+        return versions.keras_version_in(((3, 0, 0), (3, 11, 0)))
     return "end_step" not in source and "steps_per_execution - 1" not in source
 
 
-def last_step_of_execution(batch: int, steps_per_execution: int) -> int:
+def last_step_of_execution(batch: int, steps_per_execution: Any) -> int:
     """The index of the last step of the execution Keras reports as `batch` at a batch end
-    (Keras 3.10 reports its first step: `batch + steps_per_execution - 1` there)."""
-    if steps_per_execution > 1 and batch_end_reports_first_step():
+    (Keras 3.10 reports its first step: `batch + steps_per_execution - 1` there); a
+    `steps_per_execution` that is not a positive int (unset, a mock) counts as 1."""
+    if not isinstance(steps_per_execution, int) or steps_per_execution <= 1:
+        return int(batch)
+    if batch_end_reports_first_step():
         return int(batch) + steps_per_execution - 1
     return int(batch)
 
