@@ -397,9 +397,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._writer.raise_if_failed()  # a background write that failed: stop here
-        # With steps_per_execution > 1 Keras reports the last step of each execution (past
-        # the end of the epoch for a partial last execution; Keras 3.10 its first, which
-        # steps_done reads as the last).
+        # With steps_per_execution > 1 Keras reports an execution's last step, past the
+        # epoch's end for a partial one (Keras 3.10 its first: steps_done reads the last).
         num_batches = self._epoch_length()
         per_execution = getattr(self.model, "steps_per_execution", 1)
         done = steps_done(batch, num_batches, self._epoch_skip, per_execution)
