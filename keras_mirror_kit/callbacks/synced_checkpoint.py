@@ -37,11 +37,12 @@ from keras_mirror_kit.checkpoint.divergence import (
 from keras_mirror_kit.checkpoint.fit_record import FitLedger, FitRecord
 from keras_mirror_kit.checkpoint.lock import DirectoryLock
 from keras_mirror_kit.checkpoint.meta import CheckpointMeta
+from keras_mirror_kit.checkpoint.optimizer_match import trained_numbers
 from keras_mirror_kit.checkpoint.preemption import PreemptionGuard
 from keras_mirror_kit.checkpoint.restore import model_config
 from keras_mirror_kit.checkpoint.resume import (
     ResumePlan,
-    begin_resumed_epoch,
+    begin_epoch,
     check_fit_dataset,
     check_whole_epochs,
     check_workers_agree,
@@ -87,14 +88,14 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     Each checkpoint holds every variable the model owns (`model.variables`: weights,
     BatchNormalization statistics, random layers' state), Keras' global random state, the
     full state (iterations, learning rate, moments, loss scale) of every optimizer the model
-    holds (`model.optimizer`, a GAN's `d_optimizer` and `g_optimizer`), the seed state of a
-    model's own `train_step` (`own_steps`), its metrics' sums (loss trackers, compiled
-    metrics: an epoch resumed part-way logs the uninterrupted run's figures), the state of
-    the stateful callbacks in the
-    `callbacks` list (`EarlyStopping`, `ReduceLROnPlateau`, `ModelCheckpoint`'s best value,
-    any callback with `get_checkpoint_state` / `set_checkpoint_state`), and the progress
-    (which `fit` of the script, epoch, batch, whether that `fit` was stopped). Files are
-    written atomically and the manifest is replaced last, so a kill at any instant leaves
+    holds (`model.optimizer`, a GAN's `d_optimizer` and `g_optimizer`) and the variables
+    each trains, the seed state of a model's own `train_step` (`own_steps`), its metrics'
+    sums (an epoch resumed part-way logs the uninterrupted run's figures), the state of the
+    stateful callbacks in `callbacks` (`EarlyStopping`, `ReduceLROnPlateau`,
+    `ModelCheckpoint`'s best value, the rate a `LearningRateScheduler` read as the epoch
+    began, any callback with `get_checkpoint_state` / `set_checkpoint_state`), and the
+    progress (which `fit` of the script, epoch, batch, whether that `fit` was stopped).
+    Files are written atomically, the manifest replaced last: a kill at any instant leaves
     the previous checkpoint loadable. A state holding NaN or Inf is refused
     (`CheckpointError`, nothing written) unless `allow_non_finite=True`.
 
@@ -343,8 +344,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
         check_whole_epochs(self._cursor, steps)
         build_optimizer(self.model)
         self._best.begin(lambda name: metric_direction(self.model, name))
-        # The architecture, for export outside fit (keras-mirror-kit ckpt export).
-        self._model_config = model_config(self.model) if self._is_chief else None
+        self._model_config = model_config(self.model) if self._is_chief else None  # for export
         start = self._start  # this fit() raised before its first checkpoint: a retry
         retry = (
             self.restore and start is not None and start.belongs_to(self.model, self._fit.index)
@@ -556,9 +556,8 @@ class SyncedCheckpoint(keras.callbacks.Callback):
     def _before_epoch(self) -> None:
         # Keras read the resume epoch when the loop started; a later fit() must not.
         self.model._initial_epoch = None  # noqa: SLF001
-        plan, self._pending = self._pending, None
-        if plan is not None:  # the callbacks' states, and metrics Keras has just reset
-            begin_resumed_epoch(plan, self._tracked)
+        plan, self._pending = self._pending, None  # callbacks' states, metrics, the rate
+        begin_epoch(plan, self._tracked, self.model)
 
     def _forget_initial_epoch(self) -> None:
         # A fit() interrupted by an exception never reached on_train_end: clear its epoch.
@@ -665,6 +664,7 @@ class SyncedCheckpoint(keras.callbacks.Callback):
             backend=backends.name(),
             data=data_description(self.model, self._cursor, self._epoch_length()),
             variables=tuple(snapshot.paths),
+            trained=trained_numbers(self.model),  # a resume after another compile() refuses
             callbacks={} if start else callback_states(self._tracked, snapshot.extra),
             # keep_best: the metric and this save's value (none for the end-of-fit re-save)
             score=None if start else self._best.score(logs, epoch_end and logs is not None, epoch),

@@ -19,7 +19,8 @@ The modules, from the bottom up (each imports only those below it):
 * `state` (the variables a checkpoint holds, paired by path and applied),
   `callback_state` (the other callbacks' saved state), `snapshot` (reading the state for
   a save; the background writer), `divergence` (the replica check before a save),
-  `preemption` (saving on a stop signal).
+  `preemption` (saving on a stop signal), `optimizer_match` (whether a checkpoint's
+  optimizer state is this `fit()`'s optimizer's, across a recompile).
 * `resume` (which checkpoint a `fit()` goes on from, and where) and `restore`
   (`kmk.restore` and export, outside `fit`).
 

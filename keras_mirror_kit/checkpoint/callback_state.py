@@ -4,12 +4,21 @@ Known Keras callbacks (`EarlyStopping`, `ReduceLROnPlateau`, `ModelCheckpoint`'s
 are read and written attribute by attribute; any other callback takes part by defining
 `get_checkpoint_state()` (a dict of JSON values and NumPy arrays) and
 `set_checkpoint_state(state)`.
+
+A `LearningRateScheduler` holds no state, but it reads the optimizer's rate as each epoch
+begins (`schedule(epoch, lr)`), and a checkpoint written mid-epoch holds the rate it set
+then: a resumed epoch would apply a function of the rate twice (keras-io's `lr *
+exp(-0.1)`). So the rate each epoch began with, before any callback's `on_epoch_begin`, is
+noted (`note_epoch_start`, from `SyncedCheckpoint`'s first hook) and saved as the
+scheduler's state; an epoch resumed part-way puts it back before the scheduler reads it,
+so the scheduler sets the rate the uninterrupted run had.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,7 +27,13 @@ import numpy as np
 
 from keras_mirror_kit.checkpoint.meta import CALLBACK_ARRAY, CALLBACK_ARRAYS, callback_array_key
 
-__all__ = ["apply_callback_states", "best_weights_restored", "callback_states", "is_stateful"]
+__all__ = [
+    "apply_callback_states",
+    "best_weights_restored",
+    "callback_states",
+    "is_stateful",
+    "note_epoch_start",
+]
 
 logger = logging.getLogger("keras_mirror_kit")
 
@@ -29,7 +44,30 @@ _KNOWN_STATE: tuple[tuple[type, tuple[str, ...]], ...] = (
     ),
     (keras.callbacks.ReduceLROnPlateau, ("wait", "best", "cooldown_counter")),
     (keras.callbacks.ModelCheckpoint, ("best",)),
+    (keras.callbacks.LearningRateScheduler, ()),  # the rate its epoch began with (above)
 )
+_EPOCH_RATE = "epoch_start_learning_rate"
+_epoch_rates: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+
+def _schedulers(tracked: list[tuple[str, Any]]) -> list[Any]:
+    return [
+        c
+        for _, c in tracked
+        if isinstance(c, keras.callbacks.LearningRateScheduler) and not _has_protocol(c)
+    ]
+
+
+def note_epoch_start(tracked: list[tuple[str, Any]], model: Any) -> None:
+    """Notes the optimizer's learning rate as an epoch begins, before any callback's
+    `on_epoch_begin`, for each tracked `LearningRateScheduler` (saved as its state)."""
+    schedulers = _schedulers(tracked)
+    optimizer = getattr(model, "optimizer", None)
+    if not schedulers or optimizer is None:
+        return
+    rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+    for scheduler in schedulers:
+        _epoch_rates[scheduler] = rate
 
 
 def _has_protocol(callback: Any) -> bool:
@@ -66,6 +104,8 @@ def callback_states(
     for key, callback in tracked:
         if _has_protocol(callback):
             raw = dict(callback.get_checkpoint_state())
+        elif isinstance(callback, keras.callbacks.LearningRateScheduler):
+            raw = {_EPOCH_RATE: _epoch_rates.get(callback)}
         else:
             raw = {f: getattr(callback, f, None) for f in _state_fields(callback) or ()}
         encoded: dict[str, Any] = {}
@@ -97,12 +137,16 @@ def callback_states(
 
 
 def apply_callback_states(
-    tracked: list[tuple[str, Any]], states: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
+    tracked: list[tuple[str, Any]],
+    states: Mapping[str, Any],
+    arrays: Mapping[str, np.ndarray],
+    mid_epoch: bool = False,
 ) -> None:
     """Gives the tracked callbacks the state a checkpoint saved for them.
 
     A callback without saved state starts afresh, and saved state of a callback no longer
-    listed is ignored; both are logged.
+    listed is ignored; both are logged. `mid_epoch`: the first epoch resumes part-way, so
+    the learning rate it began with is put back for a `LearningRateScheduler` to read.
     """
     for key, callback in tracked:
         if key not in states:
@@ -124,6 +168,10 @@ def apply_callback_states(
                 decoded[name] = value
         if _has_protocol(callback):
             callback.set_checkpoint_state(decoded)
+        elif isinstance(callback, keras.callbacks.LearningRateScheduler):
+            rate = decoded.get(_EPOCH_RATE)
+            if mid_epoch and isinstance(rate, float):
+                callback.model.optimizer.learning_rate = rate  # as the scheduler sets it
         else:
             for name, value in decoded.items():
                 setattr(callback, name, value)

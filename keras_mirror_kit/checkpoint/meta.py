@@ -255,6 +255,9 @@ class CheckpointMeta(Mapping[str, Any]):
             files.
         data: The data it was written with.
         variables: `"group:path"` of each saved variable, by array number.
+        trained: For each optimizer the model holds (`model_parts.optimizers_of`'s order),
+            the array numbers of the model's variables it was built to train (the
+            trainable ones when it was built); None in older files.
         callbacks: The other callbacks' states (arrays replaced by markers).
         score: What `keep_best` ranks it by, or None without `keep_best`.
         model_config: The model's serialized architecture, or None.
@@ -274,6 +277,7 @@ class CheckpointMeta(Mapping[str, Any]):
     backend: str | None = None
     data: DataDescription = field(default_factory=DataDescription)
     variables: tuple[str, ...] = ()
+    trained: tuple[tuple[int, ...], ...] | None = None
     callbacks: Mapping[str, Any] = field(default_factory=dict)
     score: Score | None = None
     model_config: Mapping[str, Any] | None = None
@@ -302,6 +306,7 @@ class CheckpointMeta(Mapping[str, Any]):
             **({"backend": self.backend} if self.backend else {}),
             **self.data.to_json(),
             "variables": list(self.variables),
+            **({"trained": [list(t) for t in self.trained]} if self.trained is not None else {}),
             "callbacks": dict(self.callbacks),
             **(self.score.to_json() if self.score is not None else {}),
             **({"model_config": dict(self.model_config)} if self.model_config else {}),
@@ -336,6 +341,14 @@ class CheckpointMeta(Mapping[str, Any]):
         if config is not None and not isinstance(config, Mapping):
             raise ValueError("its 'model_config' is not a JSON object")
         version = _int(data, "version")
+        trained = data.get("trained")
+        if trained is not None and not (
+            isinstance(trained, list)
+            and all(
+                isinstance(t, list) and all(type(n) is int and n >= 0 for n in t) for t in trained
+            )
+        ):
+            raise ValueError("its 'trained' is not a list of lists of array numbers")
         return cls(
             epoch=_whole(data["epoch"], "epoch"),
             step=_whole(data["step"], "step"),
@@ -349,6 +362,7 @@ class CheckpointMeta(Mapping[str, Any]):
             backend=_str(data, "backend") or None,
             data=DataDescription.from_json(data),
             variables=tuple(variables),
+            trained=None if trained is None else tuple(tuple(t) for t in trained),
             callbacks={str(k): dict(v) for k, v in (callbacks or {}).items()},
             score=Score.from_json(data),
             model_config=dict(config) if config else None,

@@ -17,10 +17,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from keras_mirror_kit import backends
-from keras_mirror_kit.checkpoint.callback_state import apply_callback_states
+from keras_mirror_kit.checkpoint.callback_state import apply_callback_states, note_epoch_start
 from keras_mirror_kit.checkpoint.fit_record import FitRecord, Placement, place
 from keras_mirror_kit.checkpoint.meta import CheckpointMeta, DataDescription
-from keras_mirror_kit.checkpoint.state import apply_state, assign_metrics, saved_metrics
+from keras_mirror_kit.checkpoint.optimizer_match import check_optimizer_state
+from keras_mirror_kit.checkpoint.state import (
+    apply_state,
+    assign_metrics,
+    auto_name_prefixes,
+    saved_metrics,
+)
 from keras_mirror_kit.checkpoint.store import CheckpointError, CheckpointStore, LoadedCheckpoint
 from keras_mirror_kit.fit_inputs import KitPipeline, kit_pipeline
 from keras_mirror_kit.model_record import distribution_of, engine_of
@@ -31,7 +37,7 @@ if TYPE_CHECKING:  # data.cursor imports TensorFlow: not for a JAX-only install
 __all__ = [
     "MidEpochSkip",
     "adopt_seed",
-    "begin_resumed_epoch",
+    "begin_epoch",
     "ResumePlan",
     "check_fit_dataset",
     "check_whole_epochs",
@@ -74,14 +80,22 @@ class ResumePlan:
     metrics: tuple[tuple[Any, Any], ...] = ()
 
 
-def begin_resumed_epoch(plan: ResumePlan, tracked: list[tuple[str, Any]]) -> None:
-    """Puts back, as the first epoch of the resumed `fit()` begins, what the checkpoint
-    holds of the other callbacks (`tracked`, by their keys) and, for an epoch resumed
-    part-way, the metrics' sums up to its batch (Keras reset them just before)."""
-    if plan.callback_states is not None:
-        states, arrays = plan.callback_states
-        apply_callback_states(tracked, states, arrays)
-    assign_metrics(plan.metrics)
+def begin_epoch(plan: ResumePlan | None, tracked: list[tuple[str, Any]], model: Any) -> None:
+    """Runs as each epoch begins, before any callback's `on_epoch_begin` (`plan` None
+    after the first epoch of the `fit()`).
+
+    Puts back, as the first epoch of a resumed `fit()` begins, what the checkpoint holds of
+    the other callbacks (`tracked`, by their keys) and, for an epoch resumed part-way, the
+    metrics' sums up to its batch (Keras reset them just before) and the learning rate
+    that epoch began with (which a `LearningRateScheduler` reads); then notes the rate
+    each epoch begins with (`callback_state.note_epoch_start`), which checkpoints save.
+    """
+    if plan is not None:
+        if plan.callback_states is not None:
+            states, arrays = plan.callback_states
+            apply_callback_states(tracked, states, arrays, mid_epoch=plan.skip > 0)
+        assign_metrics(plan.metrics)
+    note_epoch_start(tracked, model)
 
 
 @dataclass(frozen=True)
@@ -136,8 +150,11 @@ def restore_latest(
         The `ResumePlan` (all unset: from scratch).
 
     Raises:
-        CheckpointError: When the checkpoint was written by another model or optimizer,
-            or (with `strict=True`) when the data no longer matches a mid-epoch checkpoint.
+        CheckpointError: When the checkpoint was written by another model or optimizer
+            (`optimizer_match.OptimizerMismatchError`, also a `ValueError`, for another
+            optimizer or one built for other variables: a recompile or trainable flags
+            unlike the run's that wrote it), or (with `strict=True`) when the data no
+            longer matches a mid-epoch checkpoint.
     """
     had_any = bool(store.entries())
     newest = store.load_latest() if had_any else None
@@ -215,7 +232,7 @@ def restore_latest(
             directory,
         )
         return ResumePlan()
-    apply_state(model, loaded, directory)
+    _apply(model, loaded, directory)
     meta = loaded.meta
     epoch = meta.epoch
     own = taken or fit
@@ -262,6 +279,13 @@ def restore_latest(
     )
 
 
+def _apply(model: Any, loaded: LoadedCheckpoint, directory: str | os.PathLike[str]) -> None:
+    """Restores `loaded` into `model`, once its optimizer is known to be the checkpoint's
+    (`optimizer_match`: the same kind, built for the same variables, across a recompile)."""
+    check_optimizer_state(model, loaded, directory, auto_name_prefixes(model))
+    apply_state(model, loaded, directory)
+
+
 def _restore_finished(
     model: Any,
     loaded: LoadedCheckpoint,
@@ -272,7 +296,7 @@ def _restore_finished(
     """This fit() had finished in the earlier run: its state, and no training."""
     restored = None
     try:
-        apply_state(model, loaded, directory)
+        _apply(model, loaded, directory)
     except CheckpointError as err:
         if not later_fit:
             raise

@@ -44,6 +44,7 @@ __all__ = [
     "match_state",
     "pair_by_path",
     "saved_metrics",
+    "state_differences",
     "state_variables",
 ]
 
@@ -499,6 +500,19 @@ def _saved_entries(
         path = saved_paths[number].partition(":")[2] if number < len(saved_paths) else "?"
         saved.append((group, path, tuple(shapes[key])))
     return keys, saved
+
+
+def state_differences(
+    named: Sequence[tuple[str, Any]],
+    loaded: LoadedCheckpoint,
+    prefixes: Iterable[str],
+    groups: Sequence[str],
+) -> list[str]:
+    """How `named` and the checkpoint's variables of `groups` differ by path or shape, in
+    words (`pair_by_path`'s differences); empty when they match."""
+    _, saved = _saved_entries(loaded, groups)
+    here = [(group, v.path, tuple(v.shape)) for group, v in named if group in groups]
+    return pair_by_path(saved, here, prefixes).differences
 
 
 def match_state(

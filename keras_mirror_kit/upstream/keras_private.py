@@ -38,6 +38,7 @@ __all__ = [
     "last_step_of_execution",
     "load_image",
     "loss_module",
+    "optimizer_built_for",
     "path_to_string_content",
     "py_dataset_adapter",
     "py_dataset_shuffles_by_epoch",
@@ -234,6 +235,16 @@ def global_seed_generator() -> Any:
 def global_state() -> ModuleType:
     """Keras' `backend.common.global_state` module."""
     return _first(("keras.src.backend.common.global_state", None))
+
+
+def optimizer_built_for(optimizer: Any) -> list[Any] | None:
+    """The variables a built Keras optimizer was built to train (`build(variables)` keeps
+    them as `_trainable_variables`, in every tested release), or None when it is not built
+    or keeps no such list."""
+    if not getattr(optimizer, "built", False):
+        return None
+    variables = getattr(optimizer, "_trainable_variables", None)
+    return list(variables) if isinstance(variables, (list, tuple)) else None
 
 
 def is_remote_path(path: str) -> bool:
