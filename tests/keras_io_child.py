@@ -3,12 +3,14 @@
 Usage:
     python -m tests.keras_io_child kill SPEC_JSON
     python -m tests.keras_io_child finish SPEC_JSON
+    python -m tests.keras_io_child train SPEC_JSON
 
 SPEC_JSON (written by tests/test_keras_io_examples.py):
-    {"original": FILE, "adopted": FILE, "data": DIR, "work": DIR, "kill_at": [EPOCH, BATCH],
+    {"original": FILE, "adopted": FILE, "data": DIR, "work": DIR,
+     "kill_at": [EPOCH, BATCH] | [FIT, EPOCH, BATCH], "fits": N,
      "raw": null | "string" | "dict", "validation_order": "ordered" | "multiset",
      "train_identity": "exact" | "color", "palette": [[R, G, B], ...],
-     "custom_objects": [NAME, ...]}
+     "custom_objects": [NAME, ...], "weights_out": FILE}
 
 A script runs as `python script.py` would (`__name__ == "__main__"`), in a folder of its
 own holding a copy of DATA, with every seed set (`keras.utils.set_random_seed(1337)`)
@@ -17,24 +19,33 @@ run: a script whose data depends on unseeded NumPy draws would see other data af
 resume, and the comparisons say so (the original's run keeps 1337, the seed the adopted
 timeseries example gives its own shuffle, so that both hold out the same rows). The
 keras-io examples are notebooks, so plots do nothing here (`matplotlib.pyplot` is a stub,
-`keras.utils.plot_model` returns None: it raises without pydot outside a notebook).
+`keras.utils.plot_model` returns None: it raises without pydot outside a notebook), and
+`import tensorflow_datasets as tfds` gives a stand-in whose `tfds.load(name, split=[...],
+as_supervised=True)` reads the generated folder NAME here (`NNNN_LABEL.png` files, in
+their order; `split` as `"train[A%:B%]"`) and yields `(uint8 image, int64 label)` pairs
+of the images' own sizes, as TFDS' `cats_vs_dogs` does: nothing is downloaded.
 `keras.Model.fit`, `evaluate` and `predict` are wrapped at class level (beneath the kit's
 own wrappers) to record each call of the script, and `fit` gets one more callback, last,
 that prints a progress marker after every training step:
 
-    KMK_IO_STEP epoch=E batch=B step=S
+    KMK_IO_STEP epoch=E batch=B step=S          (the script's first `fit`)
+    KMK_IO_STEP fit=F epoch=E batch=B step=S    (its `fit` number F, from 1 on)
 
 `kill` runs the adopted script in WORK/killed and SIGKILLs itself right after the marker of
-training step BATCH of epoch EPOCH (the checkpoint callback's turn at that step included).
+training step BATCH of epoch EPOCH of the script's `fit` number FIT (0, the first, when
+`kill_at` names no FIT; the checkpoint callback's turn at that step included).
 
-`finish`, in this one process: runs the original script in WORK/original until its `fit`
-call (recorded, not run); the adopted script uninterrupted in WORK/reference, until its
-`fit` returned (what the script does after `fit` is checked on the resumed run); and the
-adopted script again in WORK/killed, which resumes from the killed run's checkpoints.
-Its RESULT line gives the restored step, the steps trained after it, the optimizer's
-iterations, the largest difference from the uninterrupted run's weights and from every
-replica's copy of them (each replica evaluates with its own copy), and the last epoch's
-validation logs of both runs; the validation
+`finish`, in this one process: runs the original script in WORK/original until its first
+`fit` call (recorded, not run); the adopted script uninterrupted in WORK/reference, until
+its last `fit` (the spec's `fits`, default 1) returned (what the script does after it is
+checked on the resumed run); and the adopted script again in WORK/killed, which resumes
+from the killed run's checkpoints (a script of several `fit` calls reruns them all; those
+before the killed one find its checkpoint). Its RESULT line gives, for the last `fit`, the
+restored step, the steps trained after it, the optimizer's iterations, the largest
+difference from the uninterrupted run's weights and from every replica's copy of them
+(each replica evaluates with its own copy), and the last epoch's validation logs of both
+runs, and for every `fit` of both runs its steps, its optimizer's iterations and the step
+its `SyncedCheckpoint` restored; the validation
 samples of both `fit` calls and one epoch of their training samples (`raw`: read from the
 first dataset down the pipeline whose features are strings or a dict, i.e. before the
 example's own vectorizing map; `color`: images told apart by their mean color, which
@@ -42,7 +53,14 @@ survives the random flips and rotations of the augmentation); the script's own c
 `fit` (evaluate, predict); and the model saved to `.keras` and loaded back with
 `keras.models.load_model` (the predictions of both models on one validation sample, and the
 loaded model's evaluation of the validation data next to the resumed `fit`'s last
-validation, the fitted model's own evaluation of it).
+validation, the fitted model's own evaluation of it). With `weights_out`, the uninterrupted
+run's final weights are written there too (`.npz`, in `model.get_weights()` order).
+
+`train` runs the adopted script once, uninterrupted, in WORK/train, until its last `fit`
+returned, and writes to `weights_out` the weights at the start and at the end of each `fit`
+(`fitF_start_N`, `fitF_end_N`, N counting `get_weights()`); its RESULT line gives each
+`fit`'s steps and optimizer iterations. Run once on 1 and once on 2 replicas
+(`KMK_SIMULATE_REPLICAS`), the two runs train on the same data from the same weights.
 """
 
 from __future__ import annotations
@@ -51,6 +69,7 @@ import inspect
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -76,7 +95,8 @@ class Recorder:
         self.calls: list[dict[str, Any]] = []
         self.stop_at_fit = False
         self.stop_after_fit = False
-        self.kill_at: list[int] | None = None
+        self.fits = 1  # the script's fit() calls: the uninterrupted run stops after the last
+        self.kill_at: list[int] | None = None  # [fit, epoch, batch]
         self.paused = False
         self.depth = 0  # > 0 inside a recorded call (validation inside fit is not recorded)
 
@@ -99,7 +119,37 @@ def _plot_stub() -> None:
     sys.modules["matplotlib.pyplot"] = pyplot
 
 
-def _progress_callback(kill_at: list[int] | None) -> Any:
+def _tfds_stub() -> None:
+    """`import tensorflow_datasets as tfds` gives the stand-in of the module docstring."""
+    import tensorflow as tf
+
+    module = types.ModuleType("tensorflow_datasets")
+    module.disable_progress_bar = _noop  # type: ignore[attr-defined]
+
+    @tf.autograph.experimental.do_not_convert
+    def decode(path: Any, label: Any) -> Any:
+        return tf.io.decode_png(tf.io.read_file(path), channels=3), label
+
+    def load(name: str, split: list[str], as_supervised: bool = False, **kwargs: Any) -> Any:
+        assert as_supervised and not kwargs, (as_supervised, kwargs)
+        files = sorted(str(path) for path in Path(name).glob("*.png"))
+        parts = []
+        for part in split:
+            found = re.fullmatch(r"train\[(\d*)%?:(\d*)%?\]", part)
+            assert found, f"the stand-in reads splits as 'train[A%:B%]', not {part!r}"
+            cuts = [len(files) * int(p or d) for p, d in zip(found.groups(), (0, 100))]
+            assert all(cut % 100 == 0 for cut in cuts), "a split that cuts no whole file"
+            chosen = files[cuts[0] // 100 : cuts[1] // 100]
+            labels = [int(Path(path).stem.rsplit("_", 1)[1]) for path in chosen]
+            pairs = tf.data.Dataset.from_tensor_slices((chosen, tf.constant(labels, tf.int64)))
+            parts.append(pairs.map(decode))
+        return parts
+
+    module.load = load  # type: ignore[attr-defined]
+    sys.modules["tensorflow_datasets"] = module
+
+
+def _progress_callback(kill_at: list[int] | None, fit_index: int = 0) -> Any:
     import keras
 
     class Progress(keras.callbacks.Callback):
@@ -115,8 +165,10 @@ def _progress_callback(kill_at: list[int] | None) -> Any:
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             self.trained += 1
-            print(f"KMK_IO_STEP epoch={self.epoch} batch={batch} step={self.trained}", flush=True)
-            if kill_at == [self.epoch, batch]:
+            fit = f"fit={fit_index} " if fit_index else ""
+            where = f"{fit}epoch={self.epoch} batch={batch} step={self.trained}"
+            print(f"KMK_IO_STEP {where}", flush=True)
+            if kill_at == [fit_index, self.epoch, batch]:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     return Progress()
@@ -139,6 +191,7 @@ def install_patches() -> None:
     import numpy as np
 
     _plot_stub()
+    _tfds_stub()
     keras.utils.plot_model = _noop
     fit, evaluate, predict = keras.Model.fit, keras.Model.evaluate, keras.Model.predict
     fit_signature = inspect.signature(fit)
@@ -148,11 +201,13 @@ def install_patches() -> None:
             return fit(self, *args, **kwargs)
         bound = fit_signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
+        index = sum(1 for call in RECORDER.calls if call["method"] == "fit")
         call: dict[str, Any] = {"method": "fit", "model": self, "args": dict(bound.arguments)}
         RECORDER.calls.append(call)
         if RECORDER.stop_at_fit:
             raise StopAtFit
-        progress = _progress_callback(RECORDER.kill_at)
+        call["start_weights"] = [np.array(w) for w in self.get_weights()]
+        progress = _progress_callback(RECORDER.kill_at, index)
         bound.arguments["callbacks"] = [*(bound.arguments["callbacks"] or []), progress]
         RECORDER.depth += 1
         try:
@@ -164,7 +219,7 @@ def install_patches() -> None:
         call["iterations"] = int(self.optimizer.iterations.numpy())
         call["trained"] = progress.trained
         call["history"] = {k: [float(v) for v in vs] for k, vs in history.history.items()}
-        if RECORDER.stop_after_fit:
+        if RECORDER.stop_after_fit and index + 1 == RECORDER.fits:
             raise StopAtFit
         return history
 
@@ -342,10 +397,33 @@ def sample_ids(batches: list[Any], identity: str, palette: list[list[float]]) ->
 # -- the runs ------------------------------------------------------------------------------
 
 
-def _fit_call(run: str) -> dict[str, Any]:
+def _fit_calls(run: str, count: int = 1) -> list[dict[str, Any]]:
     fits = [call for call in RECORDER.calls if call["method"] == "fit"]
-    assert len(fits) == 1, f"the {run} script called fit() {len(fits)} times, not once"
-    return fits[0]
+    assert len(fits) == count, f"the {run} script called fit() {len(fits)} times, not {count}"
+    return fits
+
+
+def _fit_call(run: str) -> dict[str, Any]:
+    return _fit_calls(run, 1)[0]
+
+
+def _fit_summary(call: dict[str, Any]) -> dict[str, Any]:
+    """One recorded fit's epochs, steps, optimizer iterations and the step it restored."""
+    callbacks = call["args"]["callbacks"] or []
+    found = [cb for cb in callbacks if type(cb).__name__ == "SyncedCheckpoint"]
+    restored = found[0].last_restored if len(found) == 1 else None
+    return {
+        "epochs": call["args"]["epochs"],
+        "trained": call["trained"],
+        "iterations": call["iterations"],
+        "restored_step": None if restored is None else restored.meta["global_step"],
+    }
+
+
+def _save_weights(path: str, **weights: list[Any]) -> None:
+    import numpy as np
+
+    np.savez(path, **{f"{name}_{i}": w for name, ws in weights.items() for i, w in enumerate(ws)})
 
 
 def _synced_checkpoint(call: dict[str, Any]) -> Any:
@@ -438,8 +516,8 @@ def _compare(original: list[Any], adopted: list[Any], ordered: bool) -> dict[str
 
 
 def _after_fit(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The script's own evaluate / predict calls after its fit."""
-    index = next(i for i, call in enumerate(calls) if call["method"] == "fit")
+    """The script's own evaluate / predict calls after its last fit."""
+    index = max(i for i, call in enumerate(calls) if call["method"] == "fit")
     return [
         {"method": call["method"], "shape": call["shape"], "finite": call["finite"]}
         for call in calls[index + 1 :]
@@ -448,9 +526,23 @@ def _after_fit(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def kill(spec: dict[str, Any]) -> int:
     install_patches()
-    RECORDER.kill_at = list(spec["kill_at"])
+    kill_at = list(spec["kill_at"])
+    RECORDER.kill_at = kill_at if len(kill_at) == 3 else [0, *kill_at]
     run_script(spec["adopted"], spec["data"], Path(spec["work"]) / "killed", "killed")
     return 1  # the kill never came
+
+
+def train(spec: dict[str, Any]) -> int:
+    install_patches()
+    RECORDER.fits = spec.get("fits", 1)
+    RECORDER.stop_after_fit = True
+    run_script(spec["adopted"], spec["data"], Path(spec["work"]) / "train", "reference")
+    fits = _fit_calls("adopted", RECORDER.fits)
+    weights = {f"fit{i}_start": call["start_weights"] for i, call in enumerate(fits)}
+    weights.update({f"fit{i}_end": call["weights"] for i, call in enumerate(fits)})
+    _save_weights(spec["weights_out"], **weights)
+    print("RESULT " + json.dumps({"fits": [_fit_summary(call) for call in fits]}), flush=True)
+    return 0
 
 
 def finish(spec: dict[str, Any]) -> int:
@@ -464,14 +556,19 @@ def finish(spec: dict[str, Any]) -> int:
     RECORDER.stop_at_fit = False
 
     RECORDER.calls = []
+    RECORDER.fits = spec.get("fits", 1)
     RECORDER.stop_after_fit = True  # the script's own steps after fit: checked on the resumed
     run_script(spec["adopted"], spec["data"], work / "reference", "reference")
-    reference = _fit_call("reference")
+    reference_fits = _fit_calls("reference", RECORDER.fits)
+    reference = reference_fits[-1]
     RECORDER.stop_after_fit = False
+    if spec.get("weights_out"):
+        _save_weights(spec["weights_out"], end=reference["weights"])
 
     RECORDER.calls = []
     namespace = run_script(spec["adopted"], spec["data"], work / "killed", "resumed")
-    resumed = _fit_call("resumed")
+    resumed_fits = _fit_calls("resumed", RECORDER.fits)
+    resumed = resumed_fits[-1]
     after_fit = _after_fit(RECORDER.calls)
     RECORDER.paused = True
 
@@ -498,6 +595,8 @@ def finish(spec: dict[str, Any]) -> int:
             for key, values in resumed["history"].items()
             if key.startswith("val_")
         },
+        "reference_fits": [_fit_summary(call) for call in reference_fits],
+        "resumed_fits": [_fit_summary(call) for call in resumed_fits],
     }
     raw, palette = spec.get("raw"), spec.get("palette", [])
     validation = _compare(
@@ -531,7 +630,7 @@ def main() -> int:
     mode, spec_path = sys.argv[1], sys.argv[2]
     with open(spec_path, encoding="utf-8") as handle:
         spec = json.load(handle)
-    return kill(spec) if mode == "kill" else finish(spec)
+    return {"kill": kill, "finish": finish, "train": train}[mode](spec)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
-"""Five keras-io examples adopt the kit in at most 10 edits each (docs/keras-io-examples.md).
+"""Six keras-io examples adopt the kit in at most 10 edits each (docs/keras-io-examples.md).
 
 Each example's keras-io code is embedded below (its code cells in order; its shell cells,
-the downloads, are left out). For each example the test reads the ```diff block of its
+the downloads, are left out; of the transfer-learning guide, its end-to-end example, which
+compiles and fits twice). For each example the test reads the ```diff block of its
 section in docs/keras-io-examples.md, applies it to that code (so the page cannot drift
 from what runs), counts its edits, shrinks a few constants (listed per example: image
-size, batch, epochs, vocabulary, and the image example's network to its first residual
-block at narrower widths; the data is generated here, in the example's formats and
-folder layout, tens of samples), and runs two children (`tests/keras_io_child.py`, forked
-from the tests' zygote, 2 replicas simulated on the CPU):
+size, batch, epochs, vocabulary, the image example's network to its first residual
+block at narrower widths, the guide's base to an untrained MobileNetV2 cut after its first
+residual block; the data is generated here, in the example's formats and folder layout,
+tens of samples), and runs two children (`tests/keras_io_child.py`, forked from the tests'
+zygote, 2 replicas simulated on the CPU):
 
 1. the adopted script, SIGKILLed right after the first training step of its second epoch
-   (the child follows its own progress marker after each step, never a timer);
+   (the guide: of its fine-tuning `fit`, after the second `compile`; the child follows its
+   own progress marker after each step, never a timer);
 2. one process that records the original script's `fit` data (the original stops at its
    `fit` call), runs the adopted script uninterrupted (it stops once its `fit` returned),
    then runs it again where it was killed: it resumes from the killed run's checkpoint
@@ -28,7 +31,11 @@ finite results, and the fitted model saved to `.keras` loads back with
 `keras.models.load_model` and predicts the same on a validation sample, and evaluates the
 validation data as the resumed `fit`'s last validation did. The adopted script's runs
 give NumPy's global generator another seed each (`tests/keras_io_child.py`), so data
-drawn from it unseeded fails (d).
+drawn from it unseeded fails (d). A script with several `fit` calls is rerun whole: those
+before the killed one train nothing, and (d) holds for the killed one.
+
+The guide is also run uninterrupted on 1 and on 2 replicas (both compiles; Adam at the
+guide's rates, and SGD in its place): the final weights agree within 2e-4 and 1e-6.
 """
 
 from __future__ import annotations
@@ -50,7 +57,6 @@ from tests.subproc import REPO, last_json
 
 DOC = REPO / "docs" / "keras-io-examples.md"
 MAX_EDITS = 10
-KILL_AT = [1, 0]  # right after the first training step of the second epoch (mid-epoch)
 
 
 # keras-io examples/vision/image_classification_from_scratch.py
@@ -735,6 +741,138 @@ history = model.fit(
 )
 """[1:]
 
+# keras-io guides/transfer_learning.py (its Keras 3 version): its Setup cell and the code
+# cells of "An end-to-end example: fine-tuning an image classification model on a cats vs.
+# dogs dataset", in order (the guide's earlier cells show the `trainable` API on small
+# Dense models, apart from this flow, and are left out).
+TRANSFER_LEARNING = r"""
+import numpy as np
+import keras
+from keras import layers
+import tensorflow_datasets as tfds
+import matplotlib.pyplot as plt
+
+tfds.disable_progress_bar()
+
+train_ds, validation_ds, test_ds = tfds.load(
+    "cats_vs_dogs",
+    # Reserve 10% for validation and 10% for test
+    split=["train[:40%]", "train[40%:50%]", "train[50%:60%]"],
+    as_supervised=True,  # Include labels
+)
+
+print(f"Number of training samples: {train_ds.cardinality()}")
+print(f"Number of validation samples: {validation_ds.cardinality()}")
+print(f"Number of test samples: {test_ds.cardinality()}")
+
+plt.figure(figsize=(10, 10))
+for i, (image, label) in enumerate(train_ds.take(9)):
+    ax = plt.subplot(3, 3, i + 1)
+    plt.imshow(image)
+    plt.title(int(label))
+    plt.axis("off")
+
+resize_fn = keras.layers.Resizing(150, 150)
+
+train_ds = train_ds.map(lambda x, y: (resize_fn(x), y))
+validation_ds = validation_ds.map(lambda x, y: (resize_fn(x), y))
+test_ds = test_ds.map(lambda x, y: (resize_fn(x), y))
+
+augmentation_layers = [
+    layers.RandomFlip("horizontal"),
+    layers.RandomRotation(0.1),
+]
+
+
+def data_augmentation(x):
+    for layer in augmentation_layers:
+        x = layer(x)
+    return x
+
+
+train_ds = train_ds.map(lambda x, y: (data_augmentation(x), y))
+
+from tensorflow import data as tf_data
+
+batch_size = 64
+
+train_ds = train_ds.batch(batch_size).prefetch(tf_data.AUTOTUNE).cache()
+validation_ds = (
+    validation_ds.batch(batch_size).prefetch(tf_data.AUTOTUNE).cache()
+)
+test_ds = test_ds.batch(batch_size).prefetch(tf_data.AUTOTUNE).cache()
+
+for images, labels in train_ds.take(1):
+    plt.figure(figsize=(10, 10))
+    first_image = images[0]
+    for i in range(9):
+        ax = plt.subplot(3, 3, i + 1)
+        augmented_image = data_augmentation(np.expand_dims(first_image, 0))
+        plt.imshow(np.array(augmented_image[0]).astype("int32"))
+        plt.title(int(labels[0]))
+        plt.axis("off")
+
+base_model = keras.applications.Xception(
+    weights="imagenet",  # Load weights pre-trained on ImageNet.
+    input_shape=(150, 150, 3),
+    include_top=False,
+)  # Do not include the ImageNet classifier at the top.
+
+# Freeze the base_model
+base_model.trainable = False
+
+# Create new model on top
+inputs = keras.Input(shape=(150, 150, 3))
+
+# Pre-trained Xception weights requires that input be scaled
+# from (0, 255) to a range of (-1., +1.), the rescaling layer
+# outputs: `(inputs * scale) + offset`
+scale_layer = keras.layers.Rescaling(scale=1 / 127.5, offset=-1)
+x = scale_layer(inputs)
+
+# The base model contains batchnorm layers. We want to keep them in inference mode
+# when we unfreeze the base model for fine-tuning, so we make sure that the
+# base_model is running in inference mode here.
+x = base_model(x, training=False)
+x = keras.layers.GlobalAveragePooling2D()(x)
+x = keras.layers.Dropout(0.2)(x)  # Regularize with dropout
+outputs = keras.layers.Dense(1)(x)
+model = keras.Model(inputs, outputs)
+
+model.summary(show_trainable=True)
+
+model.compile(
+    optimizer=keras.optimizers.Adam(),
+    loss=keras.losses.BinaryCrossentropy(from_logits=True),
+    metrics=[keras.metrics.BinaryAccuracy()],
+)
+
+epochs = 2
+print("Fitting the top layer of the model")
+model.fit(train_ds, epochs=epochs, validation_data=validation_ds)
+
+# Unfreeze the base_model. Note that it keeps running in inference mode
+# since we passed `training=False` when calling it. This means that
+# the batchnorm layers will not update their batch statistics.
+# This prevents the batchnorm layers from undoing all the training
+# we've done so far.
+base_model.trainable = True
+model.summary(show_trainable=True)
+
+model.compile(
+    optimizer=keras.optimizers.Adam(1e-5),  # Low learning rate
+    loss=keras.losses.BinaryCrossentropy(from_logits=True),
+    metrics=[keras.metrics.BinaryAccuracy()],
+)
+
+epochs = 1
+print("Fitting the end-to-end model")
+model.fit(train_ds, epochs=epochs, validation_data=validation_ds)
+
+print("Test dataset evaluation")
+model.evaluate(test_ds)
+"""[1:]
+
 # -- the page: diffs, edits ----------------------------------------------------------------
 
 
@@ -905,6 +1043,23 @@ def imdb_arrays(root: Path) -> None:
     np.savez(root / "imdb.npz", **arrays)
 
 
+def cats_vs_dogs(root: Path) -> None:
+    """`cats_vs_dogs/NNNN_L.png`: 60 PNGs of one color each (a color of `PALETTE` per image),
+    with noise, of sizes from 20 to 48 pixels, label L 0 (cat) or 1 (dog), read by the
+    child's `tfds.load` stand-in as TFDS' `cats_vs_dogs` (uint8 images of their own sizes,
+    int64 labels): the guide's splits are 24 training, 6 validation and 6 test images."""
+    from PIL import Image
+
+    rng = np.random.default_rng(12)
+    folder = root / "cats_vs_dogs"
+    folder.mkdir(parents=True)
+    for index in range(60):
+        height, width = (int(v) for v in rng.integers(20, 49, 2))
+        noise = rng.integers(-6, 7, (height, width, 3))
+        pixels = np.clip(np.asarray(PALETTE[index]) + noise, 0, 255).astype("uint8")
+        Image.fromarray(pixels).save(folder / f"{index:04d}_{index % 2}.png")
+
+
 # -- the examples --------------------------------------------------------------------------
 
 
@@ -919,6 +1074,8 @@ class Example:
     train_identity: str = "exact"  # or "color": augmented images, by their mean color
     custom_objects: list[str] = field(default_factory=list)
     after_fit: tuple[tuple[str, list[int] | None], ...] = ()  # the script's own calls
+    fits: int = 1  # the script's fit() calls
+    kill_at: tuple[int, int, int] = (0, 1, 0)  # in the last fit(): fit, epoch, batch (mid-epoch)
 
 
 # In the adopted script only: a checkpoint after every step (the page writes 100).
@@ -991,6 +1148,34 @@ EXAMPLES = {
         [("keras.datasets.imdb.load_data(", "kmk_test_imdb_load_data(")],
         custom_objects=["TransformerBlock", "TokenAndPositionEmbedding"],
     ),
+    "transfer-learning": Example(
+        "transfer-learning",
+        TRANSFER_LEARNING,
+        cats_vs_dogs,
+        [
+            # The base: MobileNetV2 at its narrowest, untrained, for 32x32 images, cut after
+            # its first residual block: every kind of layer of MobileNetV2 stays (Conv2D,
+            # DepthwiseConv2D, BatchNormalization, ReLU6, ZeroPadding2D, Add), 27 trainable
+            # weights (4096 numbers) instead of its 156 (Xception's 154): tracing the
+            # fine-tuning step on 2 replicas costs by the layer.
+            ("keras.applications.Xception(", "keras.applications.MobileNetV2(alpha=0.35,"),
+            ('weights="imagenet",', "weights=None,"),
+            ("(150, 150, 3)", "(32, 32, 3)"),
+            (
+                ")  # Do not include the ImageNet classifier at the top.",
+                ")  # Do not include the ImageNet classifier at the top.\n"
+                "base_model = keras.Model(\n"
+                '    base_model.input, base_model.get_layer("block_2_add").output\n'
+                ")",
+            ),
+            ("Resizing(150, 150)", "Resizing(32, 32)"),
+            ("batch_size = 64", "batch_size = 10"),  # 24 images: batches of 10, 10 and 4
+        ],  # fmt: skip
+        train_identity="color",  # augmented images, by their mean color
+        after_fit=(("evaluate", None),),
+        fits=2,
+        kill_at=(1, 0, 0),  # the fine-tuning fit, after the second compile: its first step
+    ),
 }
 
 
@@ -1037,9 +1222,9 @@ def test_the_pages_diff_applies_to_the_example_in_at_most_10_edits(name: str) ->
 # -- running them --------------------------------------------------------------------------
 
 
-def _run(mode: str, spec: Path, timeout: float):
+def _run(mode: str, spec: Path, timeout: float, replicas: int = 2):
     env = {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    env["KMK_SIMULATE_REPLICAS"] = "2"
+    env["KMK_SIMULATE_REPLICAS"] = str(replicas)
     env.pop("TF_CONFIG", None)
     return forkserver.run(
         [sys.executable, "-m", "tests.keras_io_child", mode, str(spec)],
@@ -1052,7 +1237,11 @@ def _run(mode: str, spec: Path, timeout: float):
 
 
 def _markers(stdout: str) -> list[str]:
-    return re.findall(r"^KMK_IO_STEP (epoch=\d+ batch=\d+) step=\d+$", stdout, re.M)
+    return re.findall(r"^KMK_IO_STEP ((?:fit=\d+ )?epoch=\d+ batch=\d+) step=\d+$", stdout, re.M)
+
+
+def _marker(fit: int, epoch: int, batch: int) -> str:
+    return f"{f'fit={fit} ' if fit else ''}epoch={epoch} batch={batch}"
 
 
 @pytest.mark.slow
@@ -1062,6 +1251,7 @@ def test_the_adopted_example_resumes_exactly_on_the_examples_data(
     tmp_path: Path, name: str
 ) -> None:
     example = EXAMPLES[name]
+    assert example.kill_at[0] == example.fits - 1  # the kill is in the script's last fit()
     script, edits = adopted(example)
     assert edits <= MAX_EDITS  # (a)
     original = substitute(example.original, example.shrink, "original")
@@ -1076,12 +1266,13 @@ def test_the_adopted_example_resumes_exactly_on_the_examples_data(
         "adopted": str(tmp_path / "adopted.py"),
         "data": str(data),
         "work": str(tmp_path / "work"),
-        "kill_at": KILL_AT,
         "raw": example.raw,
         "validation_order": example.validation_order,
         "train_identity": example.train_identity,
         "palette": PALETTE,
         "custom_objects": example.custom_objects,
+        "kill_at": list(example.kill_at),
+        "fits": example.fits,
     }
     (tmp_path / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
 
@@ -1089,7 +1280,7 @@ def test_the_adopted_example_resumes_exactly_on_the_examples_data(
     assert killed.returncode == -signal.SIGKILL, (
         f"rc={killed.returncode}\n{killed.stdout[-3000:]}\n{killed.stderr[-6000:]}"
     )
-    assert _markers(killed.stdout)[-1] == "epoch=1 batch=0", killed.stdout[-3000:]
+    assert _markers(killed.stdout)[-1] == _marker(*example.kill_at), killed.stdout[-3000:]
 
     finished = _run("finish", tmp_path / "spec.json", 1200)
     assert finished.returncode == 0, (
@@ -1097,13 +1288,22 @@ def test_the_adopted_example_resumes_exactly_on_the_examples_data(
     )
     result = last_json(finished)
 
-    # (d) killed after the first step of epoch 1: resumed there, and no step twice.
+    # (d) killed after a step in the middle of an epoch: resumed there, and no step twice.
     resume = result["resume"]
-    steps = resume["reference_iterations"]
-    assert steps % 2 == 0 and steps >= 4 and resume["reference_trained"] == steps, resume
-    killed_at = steps // 2 + 1  # one step into the second of two epochs
-    assert resume["restored_step"] == killed_at, resume
-    assert resume["trained"] == steps - killed_at, resume
+    fit, epoch, batch = example.kill_at
+    planned = resume["reference_fits"][fit]
+    steps, per_epoch = planned["trained"], planned["trained"] // planned["epochs"]
+    assert per_epoch >= 2 and per_epoch * planned["epochs"] == steps, resume
+    assert steps == planned["iterations"] == resume["reference_iterations"], resume
+    assert batch + 1 < per_epoch, resume  # the kill leaves the epoch part-way
+    killed_at = epoch * per_epoch + batch + 1  # the steps the killed fit() had taken
+    # The rerun script's fit() calls before the killed one find its checkpoint, written by
+    # a later fit() of the script, and train nothing (docs/checkpointing.md); the killed
+    # one restores it and trains only the steps after it.
+    resumed_fits = resume["resumed_fits"]
+    assert [f["trained"] for f in resumed_fits[:fit]] == [0] * fit, resume
+    assert resumed_fits[fit]["restored_step"] == resume["restored_step"] == killed_at, resume
+    assert resume["trained"] == steps - killed_at == resumed_fits[fit]["trained"], resume
     assert resume["iterations"] == steps and resume["val_logs"], resume
     # Bit for bit: the same kernels on the same data in the same order on the same two
     # CPU replicas (a fixed reduction order), from the same restored state.
@@ -1140,3 +1340,78 @@ def test_the_adopted_example_resumes_exactly_on_the_examples_data(
     np.testing.assert_allclose(
         [evaluated[n] for n in names], [loaded[n] for n in names], rtol=1e-6, err_msg=str(saved)
     )
+
+
+# -- the fine-tuning guide on 1 and on 2 replicas ------------------------------------------
+
+# Both runs without Dropout: its masks are drawn per replica, so 2 replicas drop other
+# features than 1 (a difference the kit names and expects: `random_layers` in
+# docs/troubleshooting.md); the augmentation stays (the kit draws it for the global batch).
+NO_DROPOUT = [("keras.layers.Dropout(0.2)", "keras.layers.Dropout(0.0)")]
+# The guide's rates for Adam; SGD at rates that move the weights as far (the guide's 1e-5
+# would leave the base where it started, whatever the replicas did).
+OPTIMIZERS = {
+    "adam": ([], 2e-4),
+    "sgd": (
+        [
+            ("keras.optimizers.Adam()", "keras.optimizers.SGD(0.1)"),
+            ("keras.optimizers.Adam(1e-5)", "keras.optimizers.SGD(0.01)"),
+        ],
+        1e-6,
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_the_fine_tuning_guide_trains_on_two_replicas_as_on_one(
+    tmp_path: Path, optimizer: str
+) -> None:
+    """The adopted guide, both compiles, on 1 and on 2 replicas: the same weights at the end,
+    within 1e-6 with SGD and 2e-4 with Adam (its step divides by the root of the squared
+    gradient, which turns the replicas' last-bit differences into larger ones where the
+    gradient is tiny)."""
+    example = EXAMPLES["transfer-learning"]
+    swap, tolerance = OPTIMIZERS[optimizer]
+    script = substitute(adopted(example)[0], example.shrink + NO_DROPOUT + swap, "adopted")
+    data = tmp_path / "data"
+    data.mkdir()
+    example.data(data)
+    (tmp_path / "adopted.py").write_text(script, encoding="utf-8")
+    weights = {}
+    for replicas in (1, 2):
+        work = tmp_path / f"replicas-{replicas}"
+        spec = {
+            "adopted": str(tmp_path / "adopted.py"),
+            "data": str(data),
+            "work": str(work),
+            "fits": example.fits,
+            "weights_out": str(tmp_path / f"weights-{replicas}.npz"),
+        }
+        (tmp_path / f"spec-{replicas}.json").write_text(json.dumps(spec), encoding="utf-8")
+        done = _run("train", tmp_path / f"spec-{replicas}.json", 600, replicas=replicas)
+        assert done.returncode == 0, f"rc={done.returncode}\n{done.stderr[-8000:]}"
+        fits = last_json(done)["fits"]
+        # Both fits trained every step, each with its own optimizer (the second compile's).
+        assert [(f["trained"], f["iterations"]) for f in fits] == [(6, 6), (3, 3)], fits
+        with np.load(spec["weights_out"]) as saved:
+            weights[replicas] = {key: saved[key] for key in saved.files}
+    one, two = weights[1], weights[2]
+    assert sorted(one) == sorted(two), (sorted(one), sorted(two))
+    assert all(np.array_equal(one[k], two[k]) for k in one if k.startswith("fit0_start_"))
+
+    def gap(a: dict, key_a: str, b: dict, key_b: str) -> float:
+        keys = sorted(k for k in a if k.startswith(key_a + "_"))
+        pairs = [(a[k], b[k.replace(key_a, key_b, 1)]) for k in keys]
+        return max(float(np.max(np.abs(x - y))) for x, y in pairs)
+
+    replicas = gap(one, "fit1_end", two, "fit1_end")  # 1 against 2 replicas, at the end
+    moved = gap(one, "fit1_end", one, "fit0_start")  # by both fits
+    fine_tuned = gap(one, "fit1_end", one, "fit1_start")  # by the second fit
+    print(
+        f"KMK_IO_REPLICAS {optimizer}: max |1 - 2 replicas| {replicas:.3g}; weights moved "
+        f"{moved:.3g}, {fine_tuned:.3g} by the fine-tuning fit"
+    )
+    assert replicas <= tolerance, (optimizer, replicas)
+    assert moved > 10 * tolerance, (optimizer, moved)  # the runs did train
