@@ -433,6 +433,20 @@ def test_cli_bench_figures_agree_with_what_was_requested_and_measured(tmp_path):
         assert float(cells[5]) == pytest.approx(r["flops_per_sec"] / 1e9, abs=0.0051)
         assert float(cells[6]) == pytest.approx(r["mfu"], abs=0.00051)
 
+    # The step split of each run (ThroughputMonitor's): three shares that add up to 1, and
+    # the table below the first one prints them, row by row.
+    split_at = lines.index("where each step goes (share of the step time):")
+    assert lines[split_at + 1].split() == ["replicas", "input", "wait", "compute", "host"]
+    for r, line in zip(results, lines[split_at + 3 : split_at + 3 + len(results)], strict=True):
+        shares = r["split"]
+        assert set(shares) == {"input_wait_share", "compute_share", "host_share"}
+        assert sum(shares.values()) == pytest.approx(1.0, abs=1e-9)
+        cells = line.split()
+        assert int(cells[0]) == r["replicas"]
+        printed = [float(c.rstrip("%")) for c in cells[1:]]
+        wanted = [100 * shares[k] for k in ("input_wait_share", "compute_share", "host_share")]
+        assert printed == pytest.approx(wanted, abs=0.51)
+
     # The chart is a real PNG image (decoded, not just its magic bytes), not a blank one.
     import matplotlib.image
 

@@ -23,6 +23,7 @@ from keras_mirror_kit.callbacks import ThroughputMonitor
 from keras_mirror_kit.throughput.flops import count_training_flops
 from keras_mirror_kit.throughput.meter import FIGURE_KEYS, FLOP_KEYS
 from keras_mirror_kit.throughput.peaks import cpu_name, store_roof
+from keras_mirror_kit.throughput.step_split import SPLIT_KEYS
 from tests import models
 
 pytestmark = pytest.mark.filterwarnings("ignore:`shuffle=True` was passed:UserWarning")
@@ -205,11 +206,12 @@ def test_batch_logs_every_n_steps(two_replica_fit):
 def test_last_figures_summary_and_log_line(two_replica_fit):
     history, monitor = two_replica_fit["history"], two_replica_fit["monitor"]
     assert monitor.last == {k: v[-1] for k, v in history.items() if k in monitor.last}
-    assert set(monitor.last) == {*FIGURE_KEYS, "scaling_efficiency", *FLOPS}
+    assert set(monitor.last) == {*FIGURE_KEYS, "scaling_efficiency", *FLOPS, *SPLIT_KEYS}
     records = [r for r in two_replica_fit["records"] if "throughput" in r.getMessage()]
     assert len(records) == 1 and records[0].levelno == logging.INFO
     message = records[0].getMessage()
     assert "samples/s" in message and "2 replicas" in message and "over 58 steps" in message
+    assert "input wait" in message and "host" in message
     assert "\n" not in message
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import keras
 
 from keras_mirror_kit import fit_hooks
+from keras_mirror_kit.backends.step_clock import StepClock, remove_step_timing
 from keras_mirror_kit.callbacks.keras_loop import steps_done
 from keras_mirror_kit.fit_wrapper import batch_plan
 from keras_mirror_kit.model_record import engine_of, is_chief
@@ -24,7 +25,13 @@ from keras_mirror_kit.throughput.meter import (
     ThroughputMeter,
 )
 from keras_mirror_kit.throughput.peaks import resolve_peak
-from keras_mirror_kit.validation import non_negative_int, optional_positive_number, positive_int
+from keras_mirror_kit.throughput.step_split import StepTimes, describe, find_limit, split
+from keras_mirror_kit.validation import (
+    check_bool,
+    non_negative_int,
+    optional_positive_number,
+    positive_int,
+)
 from keras_mirror_kit.with_block import check_callback_model
 
 __all__ = ["ThroughputMonitor"]
@@ -65,6 +72,19 @@ class ThroughputMonitor(keras.callbacks.Callback):
       compute dtype (`keras_mirror_kit.throughput.peaks`), the CPU roof stored by
       `keras-mirror-kit bench --roof`, or `peak_flops=`. Unknown: no `mfu` and one INFO
       line saying how to give the peak.
+
+    - the step split (`step_split=True`, the default): where each step's wall time went,
+      as shares that add up to 1 (`keras_mirror_kit.throughput.step_split`; docs/throughput.md
+      explains each with an example epoch): `input_wait_share` (the replicas waiting for
+      their batch), `compute_share` (forward, backward, all-reduce and update) and
+      `host_share` (Keras' loop, the callbacks, and launching each compiled call). Measured
+      on the real run: a host timer around each compiled call and, inside it, timestamps
+      around the batch reads and the replicas' steps (TensorFlow) or a timer on the loop's
+      `next()` (JAX). When one share dominates (input wait at half the step or more, the
+      host at 30% or more), one WARNING per `fit()` names it, with its figure and what
+      usually helps. A model compiled with `jit_compile=True` or `run_eagerly=True` on
+      TensorFlow gets no split (one INFO line says why). Several workers: each worker's
+      own split in its `logs`.
 
     With `log_every_n_steps=N` the same keys are also added to the batch `logs` every `N`
     training steps, computed over the steps since the previous such report.
@@ -114,9 +134,13 @@ class ThroughputMonitor(keras.callbacks.Callback):
             the kit's count.
         peak_flops: Peak FLOP/s of one device (one GPU, or the whole CPU); replaces the
             table or the stored roof for `mfu`.
+        step_split: Measure the step split (above). False removes the timing from the
+            model's compiled step (it is traced again) and, on JAX, lets the loop dispatch
+            the next step before the previous one finished.
 
     Raises:
-        TypeError: If a count is not an integer or the baseline, FLOPs or peak not a number.
+        TypeError: If a count is not an integer, the baseline, FLOPs or peak not a number,
+            or `step_split` not a bool.
         ValueError: If a count is not positive (`warmup_steps` may be 0) or the baseline,
             FLOPs or peak not positive and finite. At the start of `fit()` (before any
             step): if the global batch size is unknown, or an explicit argument contradicts
@@ -152,6 +176,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
         baseline_samples_per_sec: float | None = None,
         flops_per_sample: float | None = None,
         peak_flops: float | None = None,
+        step_split: bool = True,
     ) -> None:
         super().__init__()
         fit_hooks.install()  # any model's fit() then runs it first (produces_logs)
@@ -175,6 +200,11 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._peak_flops = optional_positive_number(
             "peak_flops", peak_flops, "the peak FLOP/s of one device"
         )
+        self._step_split = check_bool("step_split", step_split)
+        self._step_clock: StepClock | None = None
+        self._split_mark: tuple[Any, ...] | None = None  # the clock's totals at the last read
+        self._split_fit: StepTimes | None = None  # the measured split of this fit() so far
+        self._limit_told = False
         self._flops_pending = False  # the FLOPs are still to be counted (model not built)
         self._workers = 1
         self._flops_told: set[str] = set()  # the one-line notices already logged
@@ -208,6 +238,13 @@ class ThroughputMonitor(keras.callbacks.Callback):
         """The `ThroughputMeter` of the current (or last) `fit()`; None before the first."""
         return self._meter
 
+    @property
+    def step_times(self) -> StepTimes | None:
+        """The seconds behind the step split of the current (or last) `fit()`, summed over
+        its ended epochs (`keras_mirror_kit.throughput.step_split.StepTimes`); None where
+        no split was measured."""
+        return self._split_fit
+
     def summary(self) -> dict[str, float]:
         """The throughput of the whole current (or last) `fit()`, warm-up and validation excluded.
 
@@ -217,8 +254,9 @@ class ThroughputMonitor(keras.callbacks.Callback):
         Returns:
             `ThroughputMeter.summary()`: the figures keys (absent when no step was
             measured) plus `measured_steps`, `measured_seconds`, `warmup_steps`,
-            `warmup_seconds`, `paused_seconds`, `global_batch_size` and `num_replicas`.
-            An empty dict before the first `fit()`.
+            `warmup_seconds`, `paused_seconds`, `global_batch_size` and `num_replicas`,
+            and the step split over the epochs ended so far (where measured). An empty
+            dict before the first `fit()`.
 
         Example:
 
@@ -231,7 +269,11 @@ class ThroughputMonitor(keras.callbacks.Callback):
         if self._meter is None:
             return {}
         self._count_seen()  # mid-epoch: the steps done so far (the epoch end would, later)
-        return self._meter.summary()
+        return {**self._meter.summary(), **self._fit_split()}
+
+    def _fit_split(self) -> dict[str, float]:
+        """The step split of the epochs measured so far in this fit(), or {}."""
+        return (split(self._split_fit) or {}) if self._split_fit is not None else {}
 
     def _resolve(self) -> tuple[int, int, int]:
         """Global batch size, replicas and workers, from the Distribution or the arguments."""
@@ -294,12 +336,74 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._workers = workers
         self._set_flops()
         self._meter.start()
+        self._start_step_clock()
         self._training = True
         self._steps_in_fit = 0
         self._next_report = self._log_every_n_steps or _NEVER
         spe = getattr(self.model, "steps_per_execution", 1)
         self._steps_per_execution = spe if isinstance(spe, int) and spe > 0 else 1
         self._start_epoch_counts()
+
+    def _start_step_clock(self) -> None:
+        """Instruments this fit() for the step split (or removes the timing: `step_split`)."""
+        self._step_clock, self._split_mark, self._split_fit = None, None, None
+        self._limit_told = False
+        if not self._step_split:
+            remove_step_timing(self.model)
+            return
+        clock = StepClock(self.model)
+        if not clock.start():
+            self._tell(
+                "split", "ThroughputMonitor: no step split in this fit(): %s.", clock.why_not
+            )
+            return
+        self._step_clock = clock
+        self._measure_split()
+
+    def _measure_split(self) -> None:
+        """Starts counting the training calls once warm-up is over (their totals from now)."""
+        clock, meter = self._step_clock, self._meter
+        if clock is not None and not clock.measuring and meter is not None and not meter.in_warmup:
+            clock.measuring = True
+            running = meter.running
+            if running:
+                meter.pause()  # the read is not training time
+            self._split_mark = clock.totals()
+            if running:
+                meter.resume()
+
+    def _epoch_split(self, epoch: int) -> dict[str, float] | None:
+        """The step split of the epoch's measured steps; names a dominating share once."""
+        clock, meter, mark = self._step_clock, self._meter, self._split_mark
+        if clock is None or meter is None or mark is None:
+            return None
+        now = clock.totals()
+        self._split_mark = now
+
+        def since(i: int) -> float | None:
+            return None if now[i] is None or mark[i] is None else now[i] - mark[i]
+
+        if now[0] == mark[0] or now[4] == mark[4]:
+            return None  # no call of Keras' train function, or none timed inside (a trace
+            # made before the clock): nothing measured, so no split rather than a wrong one
+        in_call = since(1)
+        assert in_call is not None
+        times = StepTimes(meter.epoch_seconds, in_call, since(3), since(2))
+        figures = split(times)
+        if figures is None:
+            return None
+        self._split_fit = times if self._split_fit is None else self._split_fit + times
+        limit = find_limit(figures)
+        if limit is not None and not self._limit_told:
+            self._limit_told = True
+            who = "" if self._workers == 1 else " (chief)" if self._is_chief else " (a worker)"
+            logger.warning(
+                "keras-mirror-kit ThroughputMonitor%s: epoch %d: %s",
+                who,
+                epoch + 1,
+                limit.describe(),
+            )
+        return figures
 
     def _set_flops(self) -> None:
         """Gives the meter the FLOPs per sample and the peak (outside the measured time)."""
@@ -424,6 +528,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
                 meter.global_batch_size - self._short_last_batch
             )
         meter.step(n_steps, now=now, samples=samples)
+        if self._step_clock is not None and not self._step_clock.measuring:
+            self._measure_split()  # warm-up ended with these steps
         before, self._steps_in_fit = self._steps_in_fit, self._steps_in_fit + n_steps
         every = self._log_every_n_steps
         if every is not None:
@@ -464,6 +570,8 @@ class ThroughputMonitor(keras.callbacks.Callback):
         if self._flops_pending:
             self._set_flops()
         figures = None if self._epoch_pending else self._with_updates(self._meter.epoch_figures())
+        if figures is not None:
+            figures.update(self._epoch_split(epoch) or {})
         self._epoch_pending = False
         if figures is None:
             logger.debug(
@@ -486,5 +594,10 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._count_seen()  # a loop that ends without on_epoch_end
         self._fast = False
         self._meter.stop()
+        if self._step_clock is not None:
+            self._step_clock.stop()
         if getattr(self, "_is_chief", True):  # one summary per cluster, from the chief
-            logger.info("keras-mirror-kit ThroughputMonitor: %s", self._meter.describe())
+            line = self._meter.describe()
+            if self._fit_split():
+                line += f"; each step: {describe(self._fit_split())}"
+            logger.info("keras-mirror-kit ThroughputMonitor: %s", line)

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from keras_mirror_kit.throughput.step_split import SPLIT_KEYS, SPLIT_NAMES, find_limit
+
 
 def register(sub: Any) -> None:
     """Adds the `bench` sub-command (and its hidden worker) to the parser."""
@@ -164,6 +166,7 @@ def _bench_worker(args: argparse.Namespace) -> int:
         "flops_per_sec": monitor.last.get("flops_per_sec"),
         "peak_flops": meter.peak_flops if meter else None,
         "mfu": monitor.last.get("mfu"),
+        "split": {k: monitor.last[k] for k in SPLIT_KEYS if k in monitor.last},
     }
     Path(args.result_file).write_text(json.dumps(result))
     return 0
@@ -230,6 +233,7 @@ def _bench(args: argparse.Namespace) -> int:
             "(MFU: - where the peak is unknown; on a CPU, `keras-mirror-kit bench --roof` "
             "measures and stores it)"
         )
+    rows.extend(_split_rows(results))
     sys.stdout.write("\n".join(rows) + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
@@ -238,6 +242,24 @@ def _bench(args: argparse.Namespace) -> int:
         _plot(results, args.plot)
         sys.stdout.write(f"wrote {args.plot}\n")
     return 0
+
+
+def _split_rows(results: list[dict[str, Any]]) -> list[str]:
+    """The step split of each run (ThroughputMonitor's), and the limit where one dominates."""
+    if not any(r.get("split") for r in results):
+        return []
+    keys = [k for k in SPLIT_KEYS if any(k in r.get("split", {}) for r in results)]
+    header = f"{'replicas':>8} " + " ".join(f"{SPLIT_NAMES[k]:>11}" for k in keys)
+    rows = ["", "where each step goes (share of the step time):", header, "-" * len(header)]
+    for r in results:
+        split = r.get("split", {})
+        cells = ["-" if k not in split else f"{split[k]:.0%}" for k in keys]
+        rows.append(f"{r['replicas']:>8} " + " ".join(f"{c:>11}" for c in cells))
+    for r in results:
+        limit = find_limit(r.get("split", {}))
+        if limit is not None:
+            rows.append(f"{r['replicas']} replica(s): {limit.describe()}")
+    return rows
 
 
 def _plot(results: list[dict[str, Any]], path: str) -> None:

@@ -364,6 +364,11 @@ class ThroughputMeter:
             tally.add(n_steps, elapsed, samples)
         return True
 
+    @property
+    def epoch_seconds(self) -> float:
+        """Measured seconds of the current (or just stopped) epoch (warm-up, pauses left out)."""
+        return self._epoch.seconds
+
     def epoch_figures(self) -> dict[str, float] | None:
         """Rates over the measured steps of the current (or just stopped) epoch.
 
