@@ -13,8 +13,8 @@ Inside the calls, what each backend lets the kit tell apart:
   wait for the batch is timed on the host, and the call waits for its step's results
   (`jax.block_until_ready`) so that the device's time is inside it and not in the next
   wait. Blocking keeps JAX from dispatching the next step while the host runs the
-  callbacks: on the CIFAR recipe that costs nothing measurable (docs/benchmarks.md), and
-  `ThroughputMonitor(step_split=False)` turns it off.
+  callbacks; that cost has not been measured yet (`benchmarks/step_split_overhead.py`
+  runs on TensorFlow), and `ThroughputMonitor(step_split=False)` turns it off.
 
 Neither backend reports the all-reduce apart: XLA fuses it into JAX's step, and timing it
 in TensorFlow's step cost more than the 2% budget (`tensorflow_step_time`).

@@ -5,11 +5,16 @@ model that `attach()` instruments, every training step Keras compiles from then 
 `tf.timestamp()` on each replica:
 
 * when the step's batch is ready on the replica (after the inputs, before the forward pass);
-* when its last update is done (after its outputs and a read of every trainable variable);
+* when its last update is done (after its outputs and a read of every variable it trains,
+  which is ordered after the variable's update);
 
-and the compiled function reads it around each `get_next()` of the input iterator (Keras
-reads the batches inside the function, outside the replicas' steps): while `reading()` is
-active, the iterator class's reads time themselves when a trace calls them.
+and the compiled function reads it once more, before the call's first `get_next()` of the
+input iterator (Keras reads the batches inside the function, outside the replicas' steps):
+while `reading()` is active, the iterator's class (`type(iterator)`, TensorFlow's own,
+patched once) has reads that note that time when a trace calls them. A step's wait for its
+batch runs from that time (the call's first step) or from the replica's previous step's
+end (a later step of the call: a read that overlapped the previous step is no wait) to the
+step's start; its busy time from its start to its end: one interval of the call each.
 
 The gradient all-reduce is inside the replicas' time. Timing it apart (timestamps after the
 local and after the reduced gradients, around the optimizer's `_all_reduce_sum_gradients`)
@@ -18,7 +23,7 @@ was tried and cost 5-8% of the CIFAR recipe's step on 2 CPU replicas
 
 On a GPU a timestamp waits for its tensors to be computed, not only launched: the step
 copies one element of each to the host first. The figures are added, per replica, to a
-host variable that no model, optimizer or checkpoint tracks, and read at epoch ends only:
+host variable of its own that no model, optimizer or checkpoint tracks, read at epoch ends:
 nothing is read from the devices during the epoch. The timestamps add operations beside
 the step's and change none of its values (`tests/test_step_split.py` compares the weights
 bit for bit).
@@ -52,8 +57,8 @@ _reading = threading.local()  # set while Keras' train function runs under a clo
 
 
 class GraphClock:
-    """Totals of the timed steps: the batch reads' seconds, and per replica, its busy seconds
-    and steps."""
+    """Per replica, the totals of its timed steps (`_STEPS`, `_LAST_END`), and the time the
+    current call began reading."""
 
     def __init__(self, rows: int) -> None:
         with tf.init_scope(), tf.device("/cpu:0"):
