@@ -140,8 +140,8 @@ def _build(steps_per_execution: int = 1, **kwargs) -> keras.Model:
         model = keras.Sequential(
             [
                 keras.Input((24, 24, 3)),
-                keras.layers.Conv2D(16, 3, activation="relu"),
-                keras.layers.Conv2D(16, 3, activation="relu"),
+                keras.layers.Conv2D(32, 3, activation="relu"),
+                keras.layers.Conv2D(32, 3, activation="relu"),
                 keras.layers.GlobalAveragePooling2D(),
                 keras.layers.Dense(10),
             ]
@@ -206,8 +206,8 @@ def test_a_slow_pipeline_reads_as_input_bound_and_the_kit_names_it_once(slow_fit
 
 
 def test_a_pipeline_cached_in_memory_is_not_input_bound_and_nothing_is_named(cached_fit):
-    history, _, named = cached_fit
-    assert max(history["input_wait_share"]) <= 0.3, history["input_wait_share"]
+    history, monitor, named = cached_fit
+    assert max(history["input_wait_share"]) <= 0.3, (history, monitor.step_times)
     assert not [r for r in named if "input pipeline" in r.getMessage()]
 
 
