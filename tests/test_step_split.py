@@ -36,7 +36,7 @@ GBS = 2 * PER_REPLICA
 RNG = np.random.default_rng(0)
 X = RNG.random((8 * GBS, 24, 24, 3)).astype("float32")  # 8 steps per epoch
 Y = RNG.integers(0, 10, len(X)).astype("int32")
-SLEEP = 0.05  # seconds the slow pipeline sleeps in every batch
+SLEEP = 0.15  # seconds the slow pipeline sleeps in every batch (compute: a few ms)
 
 
 # ---- the arithmetic, with made-up figures -------------------------------------------------
@@ -315,7 +315,7 @@ def build():
 
 def slow(images, labels):
     def sleep(batch):
-        time.sleep(0.05)
+        time.sleep(0.15)
         return batch
     images = tf.py_function(sleep, [images], tf.float32)
     images.set_shape((None, 24, 24, 3))
