@@ -235,7 +235,7 @@ def test_checkpoints_written_by_earlier_versions_resume_exactly(tmp_path, writte
     (now, new), (then, old) = files
     assert list(now) == [key.replace("sha256", "crc32") for key in then]
     meta_now, meta_then = _raw_meta(new), _raw_meta(old)
-    added = ("model_config", "backend")  # keys added since those versions
+    added = ("model_config", "backend", "trained")  # keys added since those versions
     assert [k for k in meta_now if k not in added or k in meta_then] == list(meta_then)
     assert meta_now["backend"] == "tensorflow"
     # ...and the metrics' values, which resume part-way epochs since (those old files have

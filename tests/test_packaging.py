@@ -116,6 +116,10 @@ def _anchors(doc: Path) -> set[str]:
     for line in doc.read_text(encoding="utf-8").splitlines():
         match = re.match(r"#{1,6} (.+)", line)
         if match:
+            explicit = re.search(r"\{ *#([\w-]+) *\}\s*$", match.group(1))
+            if explicit:  # attr_list's `{ #id }`: the heading's id, as the site builds it
+                slugs.add(explicit.group(1))
+                continue
             text = re.sub(r"[`*]", "", match.group(1)).strip().lower()
             text = re.sub(r"[^\w\s-]", "", text)
             slugs.add(re.sub(r"[-\s]+", "-", text).strip("-"))

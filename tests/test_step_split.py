@@ -284,6 +284,39 @@ def test_a_jit_compiled_model_gets_no_split_and_the_monitor_says_why(caplog):
     assert any("no step split" in r.getMessage() for r in caplog.records)
 
 
+DETERMINISM = """
+import json, logging
+import keras_mirror_kit as kmk
+import keras, numpy as np, tensorflow as tf
+tf.config.experimental.enable_op_determinism()  # TensorFlow then refuses tf.timestamp()
+records = []
+handler = logging.Handler(logging.INFO)
+handler.emit = records.append
+logging.getLogger("keras_mirror_kit").addHandler(handler)
+logging.getLogger("keras_mirror_kit").setLevel(logging.INFO)
+keras.utils.set_random_seed(0)
+
+@kmk.distributed(per_replica_batch_size=8)
+def factory():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+x = np.ones((64, 4), "float32")
+history = factory().fit(x, x[:, :2], epochs=2, verbose=0, callbacks=[kmk.ThroughputMonitor()])
+said = [r.getMessage() for r in records if "no step split" in r.getMessage()]
+print("RESULT " + json.dumps({"keys": sorted(history.history), "said": said}))
+"""
+
+
+@pytest.mark.slow  # a child process (op determinism is process-wide)
+def test_op_determinism_gives_no_split_and_the_fit_trains():
+    out = last_json(run_python(DETERMINISM, replicas=2))
+    assert "samples_per_sec" in out["keys"]
+    assert not set(SPLIT_KEYS) & set(out["keys"])
+    assert len(out["said"]) == 1 and "enable_op_determinism" in out["said"][0]
+
+
 def test_step_split_must_be_a_bool():
     with pytest.raises(TypeError, match="step_split"):
         kmk.ThroughputMonitor(step_split="yes")  # type: ignore[arg-type]

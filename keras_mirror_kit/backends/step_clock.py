@@ -92,8 +92,10 @@ class StepClock:
             self._graph = tensorflow_step_time.attach(model)
             if self._graph is None:
                 self.why_not = (
-                    "the model is compiled with jit_compile=True or run_eagerly=True, and "
-                    "the step's timestamps need a TensorFlow graph that XLA does not compile"
+                    "the step's timestamps need a TensorFlow graph that XLA does not compile "
+                    "and that op determinism allows: the model is compiled with "
+                    "jit_compile=True or run_eagerly=True, or "
+                    "tf.config.experimental.enable_op_determinism() is in force"
                 )
                 return False
         elif self._backend != "jax":

@@ -32,7 +32,8 @@ How: the model instance's `_make_function` (through which Keras' TensorFlow trai
 compiles `train_step` in every release the kit supports) is wrapped, so a train function
 made while the clock is on times its steps; `attach()` and `detach()` make the model's
 train function again when the setting changes, so the next call traces it. XLA cannot
-compile `tf.timestamp()`: a model compiled with `jit_compile=True` is not instrumented.
+compile `tf.timestamp()`, and TensorFlow refuses it under
+`tf.config.experimental.enable_op_determinism()`: such models are not instrumented.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+
+from keras_mirror_kit.upstream import tensorflow_private
 
 __all__ = ["GraphClock", "attach", "detach"]
 
@@ -176,10 +179,13 @@ def attach(model: Any) -> GraphClock | None:
 
     Makes the model's train function again when it was made without the clock, so its next
     call traces the timed step. Returns the clock, or None for a model that cannot be timed
-    (compiled with `jit_compile=True`, run eagerly, or not a Keras TensorFlow trainer).
+    (compiled with `jit_compile=True`, run eagerly, not a Keras TensorFlow trainer, or with
+    `tf.config.experimental.enable_op_determinism()` in force: it refuses timestamps).
     """
     if getattr(model, "jit_compile", False) is True or getattr(model, "run_eagerly", False):
         return None
+    if tensorflow_private.op_determinism_enabled():
+        return None  # TensorFlow then fails every tf.timestamp() (FAILED_PRECONDITION)
     if not callable(getattr(model, "_make_function", None)):
         return None
     clock = _clock_of(model)

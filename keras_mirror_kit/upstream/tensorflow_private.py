@@ -18,6 +18,7 @@ __all__ = [
     "flop_statistics",
     "import_module",
     "multi_worker_util",
+    "op_determinism_enabled",
     "per_replica_spec",
     "silenced_deprecations",
     "slurm_cluster_resolver",
@@ -81,6 +82,12 @@ def flop_statistics() -> ModuleType:
 def silenced_deprecations() -> Any:
     """TensorFlow's context manager that silences its deprecation warnings."""
     return _attribute("tensorflow.python.util.deprecation", "silence")()
+
+
+def op_determinism_enabled() -> bool:
+    """Whether `tf.config.experimental.enable_op_determinism()` was called (TensorFlow then
+    refuses `tf.timestamp()`), read from TensorFlow's config module (no public reader)."""
+    return bool(_attribute("tensorflow.python.framework.config", "is_op_determinism_enabled")())
 
 
 def slurm_cluster_resolver() -> ModuleType:
