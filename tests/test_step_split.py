@@ -317,6 +317,23 @@ def test_op_determinism_gives_no_split_and_the_fit_trains():
     assert len(out["said"]) == 1 and "enable_op_determinism" in out["said"][0]
 
 
+def test_a_fit_that_raises_gives_the_model_its_own_train_function_back():
+    class Boom(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 4:
+                raise RuntimeError("boom")
+
+    model = _build()
+    with pytest.raises(RuntimeError, match="boom"):
+        model.fit(
+            kmk.make_dataset(X, Y, GBS, seed=0),
+            epochs=1,
+            verbose=0,
+            callbacks=[kmk.ThroughputMonitor(), Boom()],
+        )
+    assert not getattr(model.train_function, "kmk_step_clock_wrapper", False)
+
+
 def test_step_split_must_be_a_bool():
     with pytest.raises(TypeError, match="step_split"):
         kmk.ThroughputMonitor(step_split="yes")  # type: ignore[arg-type]

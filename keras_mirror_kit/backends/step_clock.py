@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from keras_mirror_kit import backends
 
@@ -37,9 +37,29 @@ __all__ = ["StepClock", "Totals", "remove_step_timing"]
 
 _WRAPPER_MARK = "kmk_step_clock_wrapper"
 
-#: (calls, then in_call, input_wait, busy seconds, then the steps the backend timed inside
-#: the calls: equal to the calls' steps where it measured them) so far; None: not measured.
-Totals = tuple[int, float, float | None, float | None, float]
+
+class Totals(NamedTuple):
+    """What a `StepClock` measured so far (seconds; None: not measured by this backend)."""
+
+    calls: int  # timed calls of the train function
+    in_call: float  # host seconds inside them
+    input_wait: float | None  # seconds waiting for batches
+    busy: float | None  # the replicas' own seconds (TensorFlow)
+    timed_steps: float  # steps timed inside the calls (as many as the calls' steps, or 0)
+
+    def minus(self, earlier: Totals) -> Totals:
+        """What was measured since `earlier`."""
+
+        def less(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else a - b
+
+        return Totals(
+            self.calls - earlier.calls,
+            self.in_call - earlier.in_call,
+            less(self.input_wait, earlier.input_wait),
+            less(self.busy, earlier.busy),
+            self.timed_steps - earlier.timed_steps,
+        )
 
 
 class _TimedIterator:
@@ -64,7 +84,7 @@ class StepClock:
 
     Args:
         model: The Keras model being fitted.
-        clock: Seconds, monotonic; `time.perf_counter` by default (the tests give a fake one).
+        clock: Seconds, monotonic, for the host timers; `time.perf_counter` by default.
     """
 
     def __init__(self, model: Any, clock: Callable[[], float] = time.perf_counter) -> None:
@@ -147,8 +167,8 @@ class StepClock:
         """The measured calls and their seconds so far (see `Totals`)."""
         if self._graph is not None:
             waited, busy, steps = self._graph.read()
-            return self.calls, self.in_call, waited, busy, steps
-        return self.calls, self.in_call, self.input_wait, None, float(self.calls)
+            return Totals(self.calls, self.in_call, waited, busy, steps)
+        return Totals(self.calls, self.in_call, self.input_wait, None, float(self.calls))
 
     def stop(self) -> None:
         """Gives the model back its own train function (idempotent)."""

@@ -53,8 +53,8 @@ __all__ = ["GraphClock", "attach", "detach"]
 
 _MAKER_MARK = "kmk_step_clock"
 _ITERATOR_MARK = "kmk_step_clock_iterator"
-# A replica's row: busy seconds, steps, seconds waited for later batches of a call, and
-# the time its last step ended (kept as a total: each step adds its end less the last).
+# A replica's row: busy seconds, steps, seconds waited for batches, and the time its last
+# step ended.
 _STEPS, _LAST_END = 1, 3
 _reading = threading.local()  # set while Keras' train function runs under a clock
 
@@ -141,7 +141,8 @@ def _settled(structure: Any) -> list[Any]:
             [tf.reduce_sum(tf.cast(tf.reshape(t, [-1])[:1], tf.float64)) for t in numeric]
             or [tf.zeros([], tf.float64)]
         )
-    return [t for t in flat if t not in on_device] + [probe]
+    device_ids = {id(t) for t in on_device}  # by identity: `in` would compare tensors
+    return [t for t in flat if id(t) not in device_ids] + [probe]
 
 
 def _stamp_after(structure: Any) -> Any:
@@ -163,7 +164,8 @@ def _timed_step(model: Any, step: Any, clock: GraphClock) -> Any:
         # A read of each updated variable (this replica's copy), ordered after its update.
         updated = [tf.identity(v.value) for v in model.trainable_variables]
         end = _stamp_after([outputs, updated])
-        row.assign(before + tf.stack([end - begin, 1.0, waited, end - before[_LAST_END]]))
+        busy, steps, waits = before[0] + end - begin, before[_STEPS] + 1.0, before[2] + waited
+        row.assign(tf.stack([busy, steps, waits, end]))
         return outputs
 
     return train_step
@@ -216,10 +218,10 @@ def detach(model: Any) -> None:
 
 
 def _remake(model: Any, clock: GraphClock) -> None:
-    """Makes the train function again unless the current one was made with this setting."""
+    """Makes the train function again unless the current one was made with this setting
+    (a `compile()` drops Keras' train function, so a new one is never mistaken for it)."""
     function = getattr(model, "train_function", None)
-    made = (function, clock.enabled, id(getattr(model, "optimizer", None)))
-    if function is not None and clock.made == made:
+    if function is not None and clock.made == (function, clock.enabled):
         return
     model.make_train_function(force=True)
-    clock.made = (model.train_function, clock.enabled, id(getattr(model, "optimizer", None)))
+    clock.made = (model.train_function, clock.enabled)

@@ -15,7 +15,7 @@ from typing import Any
 import keras
 
 from keras_mirror_kit import fit_hooks
-from keras_mirror_kit.backends.step_clock import StepClock, remove_step_timing
+from keras_mirror_kit.backends.step_clock import StepClock, Totals, remove_step_timing
 from keras_mirror_kit.callbacks.keras_loop import steps_done
 from keras_mirror_kit.fit_wrapper import batch_plan
 from keras_mirror_kit.model_record import engine_of, is_chief
@@ -82,9 +82,10 @@ class ThroughputMonitor(keras.callbacks.Callback):
       around the batch reads and the replicas' steps (TensorFlow) or a timer on the loop's
       `next()` (JAX). When one share dominates (input wait at half the step or more, the
       host at 30% or more), one WARNING per `fit()` names it, with its figure and what
-      usually helps. A model compiled with `jit_compile=True` or `run_eagerly=True` on
-      TensorFlow gets no split (one INFO line says why). Several workers: each worker's
-      own split in its `logs`.
+      usually helps. On TensorFlow, a model compiled with `jit_compile=True` or
+      `run_eagerly=True`, or under `tf.config.experimental.enable_op_determinism()`, gets
+      no split (one INFO line says why). Several workers: each worker's own split in its
+      `logs`.
 
     With `log_every_n_steps=N` the same keys are also added to the batch `logs` every `N`
     training steps, computed over the steps since the previous such report.
@@ -202,7 +203,7 @@ class ThroughputMonitor(keras.callbacks.Callback):
         )
         self._step_split = check_bool("step_split", step_split)
         self._step_clock: StepClock | None = None
-        self._split_mark: tuple[Any, ...] | None = None  # the clock's totals at the last read
+        self._split_mark: Totals | None = None  # the clock's totals at the last read
         self._split_fit: StepTimes | None = None  # the measured split of this fit() so far
         self._limit_told = False
         self._flops_pending = False  # the FLOPs are still to be counted (model not built)
@@ -378,17 +379,13 @@ class ThroughputMonitor(keras.callbacks.Callback):
         if clock is None or meter is None or mark is None:
             return None
         now = clock.totals()
-        self._split_mark = now
-
-        def since(i: int) -> float | None:
-            return None if now[i] is None or mark[i] is None else now[i] - mark[i]
-
-        if now[0] == mark[0] or now[4] == mark[4]:
+        self._split_mark, epoch_totals = now, now.minus(mark)
+        if not epoch_totals.calls or not epoch_totals.timed_steps:
             return None  # no call of Keras' train function, or none timed inside (a trace
             # made before the clock): nothing measured, so no split rather than a wrong one
-        in_call = since(1)
-        assert in_call is not None
-        times = StepTimes(meter.epoch_seconds, in_call, since(3), since(2))
+        times = StepTimes(
+            meter.epoch_seconds, epoch_totals.in_call, epoch_totals.busy, epoch_totals.input_wait
+        )
         figures = split(times)
         if figures is None:
             return None
@@ -594,6 +591,14 @@ class ThroughputMonitor(keras.callbacks.Callback):
         self._count_seen()  # a loop that ends without on_epoch_end
         self._fast = False
         self._meter.stop()
+        self._stop_step_clock()
+
+    def on_fit_exception(self, exception: BaseException) -> None:
+        """A `fit()` that raised (Keras calls no `on_train_end`): the model gets its own
+        train function back (`fit_hooks.FitHooks`)."""
+        self._stop_step_clock()
+
+    def _stop_step_clock(self) -> None:
         if self._step_clock is not None:
             self._step_clock.stop()
         if getattr(self, "_is_chief", True):  # one summary per cluster, from the chief
